@@ -1,0 +1,123 @@
+//! `turnstile mock-agent`: a fake interactive coding-agent CLI that runs in a tmux pane so Turnstile can be tested and demoed without a real agent.
+//!
+//! The agent prints a banner and a `❯ ` prompt, accepts typed or bracketed-pasted messages,
+//! records each one to `<state_dir>/<conversation-id>.jsonl`, obeys `!sleep`, `!reply`,
+//! `!exit`, `!hang` directives and answers with a `● …` reply followed by a fresh prompt.
+
+mod directives;
+mod duration;
+mod input;
+mod session;
+mod spinner;
+mod terminal;
+mod transcript;
+
+use std::io;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+
+pub use duration::parse_duration;
+
+use session::{drive, Session};
+use terminal::TerminalGuard;
+use transcript::{count_messages, transcript_path, Transcript};
+
+/// Command-line arguments of `turnstile mock-agent`.
+#[derive(Debug, Clone)]
+pub struct Args {
+    /// Directory holding one `<conversation-id>.jsonl` transcript per conversation.
+    pub state_dir: PathBuf,
+    /// Conversation id to continue instead of starting a new one.
+    pub resume: Option<String>,
+}
+
+/// Runs until stdin closes or an `!exit` directive; returns the process exit code to use.
+pub fn run(args: Args) -> Result<i32> {
+    let (conversation, resumed) = match args.resume {
+        Some(id) => {
+            validate_conversation_id(&id)?;
+            (id, true)
+        }
+        None => (new_conversation_id(), false),
+    };
+    std::fs::create_dir_all(&args.state_dir)
+        .with_context(|| format!("creating state dir {}", args.state_dir.display()))?;
+    let earlier = if resumed {
+        Some(count_messages(&transcript_path(
+            &args.state_dir,
+            &conversation,
+        ))?)
+    } else {
+        None
+    };
+    let transcript = Transcript::open(&args.state_dir, &conversation)?;
+
+    let _terminal = TerminalGuard::engage();
+    let stdout = io::stdout();
+    let mut session = Session::new(stdout.lock(), transcript, conversation);
+    session.banner(earlier)?;
+    let stdin = io::stdin();
+    drive(&mut session, stdin.lock())
+}
+
+/// A fresh conversation id: `cnv_` followed by 32 lowercase hex digits.
+fn new_conversation_id() -> String {
+    format!("cnv_{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Conversation ids become file names, so only `[A-Za-z0-9_-]` is allowed.
+fn validate_conversation_id(id: &str) -> Result<()> {
+    if id.is_empty() {
+        bail!("conversation id to resume is empty");
+    }
+    if let Some(bad) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-'))
+    {
+        bail!(
+            "conversation id {id:?} contains {bad:?}; only A-Z, a-z, 0-9, '_' and '-' are allowed"
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_ids_are_cnv_plus_32_hex() {
+        let id = new_conversation_id();
+        let hex = id.strip_prefix("cnv_").unwrap();
+        assert_eq!(hex.len(), 32);
+        assert!(hex
+            .chars()
+            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+        assert!(validate_conversation_id(&id).is_ok());
+        assert_ne!(id, new_conversation_id());
+    }
+
+    #[test]
+    fn validates_resume_ids() {
+        assert!(validate_conversation_id("cnv_abc-DEF_123").is_ok());
+        for bad in ["", "../etc", "a b", "a/b", "a.jsonl", "é"] {
+            assert!(validate_conversation_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn bad_resume_id_is_rejected_before_touching_disk() {
+        let dir = std::env::temp_dir().join(format!(
+            "turnstile-mock-agent-never-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        let err = run(Args {
+            state_dir: dir.clone(),
+            resume: Some("../x".into()),
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("../x"), "{err}");
+        assert!(!dir.exists());
+    }
+}

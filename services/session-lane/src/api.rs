@@ -1,0 +1,477 @@
+//! The `ts.api.session.*` request/reply service (discoverable with `nats micro ls`). Any
+//! replica answers; every change is a KV compare-and-set or an acknowledged publish (R14), and
+//! a bad request gets a clear error while the service keeps serving (R15).
+
+use std::future::Future;
+use std::sync::Arc;
+
+use async_nats::service::ServiceExt;
+use chrono::Utc;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::api::{
+    ApiError, CreateSession, ListSessions, Reply, SendTurn, SessionRef, SessionView,
+};
+use turnstile_shared::envelope::Envelope;
+use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::kv::Change;
+use turnstile_shared::records::{
+    reason, transport_kind, HostRecord, LaneItem, SessionRecord, SessionState, StartCommand,
+    StopCommand, TurnItem, TurnRecord, TurnState,
+};
+use turnstile_shared::{subjects, topology, HostName, SessionId, TurnId};
+
+use crate::{Ctx, Error};
+
+const MAX_TEXT: usize = 256 * 1024;
+
+pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
+    let service = ctx
+        .client
+        .service_builder()
+        .description("Turnstile sessions: create, send, stop, list, show")
+        .start(subjects::api::SESSION_SERVICE, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(Error::Api)?;
+    let group = service.group(subjects::api::SESSION_GROUP);
+    let mut tasks = Vec::new();
+    macro_rules! endpoint {
+        ($verb:literal, $handler:path) => {{
+            let endpoint = group.endpoint($verb).await.map_err(Error::Api)?;
+            tasks.push(tokio::spawn(serve_endpoint(
+                ctx.clone(),
+                endpoint,
+                shutdown.clone(),
+                $handler,
+            )));
+        }};
+    }
+    endpoint!("create", create);
+    endpoint!("send", send);
+    endpoint!("stop", stop);
+    endpoint!("list", list);
+    endpoint!("show", show);
+    futures::future::join_all(tasks).await;
+    let _ = service.stop().await;
+    Ok(())
+}
+
+async fn serve_endpoint<Req, Resp, F, Fut>(
+    ctx: Arc<Ctx>,
+    mut endpoint: async_nats::service::endpoint::Endpoint,
+    shutdown: CancellationToken,
+    handler: F,
+) where
+    Req: DeserializeOwned + Send + 'static,
+    Resp: Serialize + Send + 'static,
+    F: Fn(Arc<Ctx>, Req) -> Fut + Copy + Send + Sync + 'static,
+    Fut: Future<Output = Result<Resp, ApiError>> + Send + 'static,
+{
+    loop {
+        let request = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return,
+            r = endpoint.next() => match r { Some(r) => r, None => return },
+        };
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            let reply = match serde_json::from_slice::<Req>(&request.message.payload) {
+                Ok(req) => handler(ctx, req).await,
+                Err(e) => Err(ApiError::bad_request(format!(
+                    "invalid request on {}: {e}",
+                    request.message.subject
+                ))),
+            };
+            let body = match reply {
+                Ok(v) => serde_json::to_vec(&Reply::Ok(v)),
+                Err(e) => {
+                    tracing::info!(subject = %request.message.subject, error = %e, "request refused");
+                    serde_json::to_vec(&Reply::<()>::Error(e))
+                }
+            };
+            let body = body.unwrap_or_else(|e| {
+                format!("{{\"error\":{{\"code\":\"internal\",\"message\":\"encode reply: {e}\"}}}}")
+                    .into_bytes()
+            });
+            if let Err(e) = request.respond(Ok(body.into())).await {
+                tracing::debug!(error = %e, "reply");
+            }
+        });
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::internal(e.to_string())
+}
+
+async fn live_hosts(ctx: &Ctx) -> Result<Vec<HostRecord>, ApiError> {
+    ctx.buckets
+        .hosts
+        .values::<HostRecord>()
+        .await
+        .map_err(internal)
+}
+
+/// The live host with the fewest active sessions, unless the caller pinned one.
+async fn place(ctx: &Ctx, pinned: Option<HostName>) -> Result<HostName, ApiError> {
+    let hosts = live_hosts(ctx).await?;
+    if let Some(h) = pinned {
+        if hosts.iter().any(|r| r.name == h) {
+            return Ok(h);
+        }
+        return Err(ApiError::new(
+            "no_host",
+            format!("host {h} is not heartbeating; start `turnstile-transport-agent --host {h}`"),
+        ));
+    }
+    let sessions = ctx
+        .buckets
+        .sessions
+        .values::<SessionRecord>()
+        .await
+        .map_err(internal)?;
+    hosts
+        .into_iter()
+        .map(|h| {
+            let n = sessions
+                .iter()
+                .filter(|s| s.is_active() && s.host == h.name)
+                .count();
+            (n, h.name)
+        })
+        .min()
+        .map(|(_, h)| h)
+        .ok_or_else(|| {
+            ApiError::new(
+                "no_host",
+                "no transport host is heartbeating; start `turnstile-transport-agent --host NAME`",
+            )
+        })
+}
+
+async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiError> {
+    let name = req.name.trim();
+    if name.is_empty() || name.len() > 128 {
+        return Err(ApiError::bad_request(
+            "session name must be 1-128 characters",
+        ));
+    }
+    let host = place(&ctx, req.host).await?;
+    let record = SessionRecord {
+        id: SessionId::new(),
+        name: name.to_string(),
+        agent: req.agent,
+        host: host.clone(),
+        cwd: req.cwd,
+        token: uuid_token(),
+        created_at: Utc::now(),
+        conversation: None,
+        state: SessionState::Active,
+    };
+    // The consumer first: a replica that sees the record starts pulling from it at once.
+    topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &record.id)
+        .await
+        .map_err(internal)?;
+    ctx.buckets
+        .sessions
+        .create(record.id.as_str(), &record)
+        .await
+        .map_err(internal)?;
+    let start = Envelope::new(
+        transport_kind::START,
+        &StartCommand {
+            session: record.id.clone(),
+        },
+    )
+    .map_err(internal)?
+    .with_session(&record.id)
+    .with_id(format!("{}:start", record.id));
+    events::publish_durable(&ctx.js, subjects::transport(&host, "start"), &start, None)
+        .await
+        .map_err(internal)?;
+    let ev = session_event(
+        kind::SESSION_CREATED,
+        &record.id,
+        None,
+        &json!({ "name": record.name, "agent": record.agent, "host": host, "cwd": record.cwd }),
+    )
+    .map_err(internal)?;
+    events::publish(&ctx.js, &ev).await.map_err(internal)?;
+    Ok(record.redacted())
+}
+
+fn uuid_token() -> String {
+    format!(
+        "tok_{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
+async fn active_session(ctx: &Ctx, id: &SessionId) -> Result<SessionRecord, ApiError> {
+    match ctx.buckets.sessions.get::<SessionRecord>(id.as_str()).await {
+        Ok(Some((r, _))) if r.is_active() => Ok(r),
+        Ok(Some(_)) => Err(ApiError::new("stopped", format!("session {id} is stopped"))),
+        Ok(None) => Err(ApiError::not_found(format!("no session {id}"))),
+        Err(e) => Err(internal(e)),
+    }
+}
+
+async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
+    if req.text.trim().is_empty() {
+        return Err(ApiError::bad_request("message text is empty"));
+    }
+    if req.text.len() > MAX_TEXT {
+        return Err(ApiError::bad_request(format!(
+            "message text is {} bytes; the limit is {MAX_TEXT}",
+            req.text.len()
+        )));
+    }
+    let session = active_session(&ctx, &req.session).await?;
+    let turn = req.turn.unwrap_or_default();
+    let record = TurnRecord {
+        id: turn.clone(),
+        session: session.id.clone(),
+        text: req.text.clone(),
+        queued_at: Utc::now(),
+        state: TurnState::Queued,
+    };
+    let record = match ctx
+        .buckets
+        .turns
+        .create(turn.as_str(), &record)
+        .await
+        .map_err(internal)?
+    {
+        Some(_) => record,
+        // A retry of the same turn id: idempotent, as long as it is the same session's.
+        None => match ctx.buckets.turns.get::<TurnRecord>(turn.as_str()).await {
+            Ok(Some((r, _))) if r.session == session.id => r,
+            Ok(_) => return Err(ApiError::bad_request(format!("turn id {turn} is taken"))),
+            Err(e) => return Err(internal(e)),
+        },
+    };
+    // `turn.queued` before the item, so no reader sees a turn start before it was queued.
+    let ev = session_event(
+        kind::TURN_QUEUED,
+        &session.id,
+        Some(&turn),
+        &json!({ "text": req.text }),
+    )
+    .map_err(internal)?;
+    events::publish(&ctx.js, &ev).await.map_err(internal)?;
+    let item = LaneItem::Turn(TurnItem {
+        turn: turn.clone(),
+        text: req.text,
+    })
+    .to_envelope(&session.id)
+    .map_err(internal)?;
+    events::publish_durable(&ctx.js, subjects::lane(&session.id), &item, None)
+        .await
+        .map_err(internal)?;
+    Ok(record)
+}
+
+async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord, ApiError> {
+    let stopped_at = Utc::now();
+    let record = ctx
+        .buckets
+        .sessions
+        .modify::<SessionRecord, _>(req.session.as_str(), |cur| match cur {
+            Some(r) if r.is_active() => Change::Write(SessionRecord {
+                state: SessionState::Stopped { stopped_at },
+                ..r.clone()
+            }),
+            _ => Change::Keep,
+        })
+        .await
+        .map_err(internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no session {}", req.session)))?;
+    let stop = Envelope::new(
+        transport_kind::STOP,
+        &StopCommand {
+            session: record.id.clone(),
+        },
+    )
+    .map_err(internal)?
+    .with_session(&record.id)
+    .with_id(format!("{}:stop", record.id));
+    events::publish_durable(
+        &ctx.js,
+        subjects::transport(&record.host, "stop"),
+        &stop,
+        None,
+    )
+    .await
+    .map_err(internal)?;
+    drain_lane(&ctx, &record.id).await?;
+    let ev =
+        session_event(kind::SESSION_STOPPED, &record.id, None, &json!({})).map_err(internal)?;
+    events::publish(&ctx.js, &ev).await.map_err(internal)?;
+    Ok(record.redacted())
+}
+
+/// Fails every turn still on a stopped session's lane, then removes the lane and its
+/// consumer, so nothing keeps waiting on the session (R13).
+async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
+    let stream = ctx
+        .js
+        .get_stream_no_info(subjects::LANE_STREAM)
+        .await
+        .map_err(internal)?;
+    let subject = subjects::lane(session);
+    let mut seq = 0;
+    loop {
+        let msg = match stream
+            .direct_get_next_for_subject(subject.as_str(), Some(seq + 1))
+            .await
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
+                break
+            }
+            Err(e) => return Err(internal(e)),
+        };
+        seq = msg.sequence;
+        let Ok(LaneItem::Turn(item)) = LaneItem::decode(&msg.payload, session) else {
+            continue;
+        };
+        let ended_at = Utc::now();
+        let rec = ctx
+            .buckets
+            .turns
+            .modify::<TurnRecord, _>(item.turn.as_str(), |cur| match cur {
+                Some(r) if r.state.is_terminal() => Change::Keep,
+                Some(r) => Change::Write(TurnRecord {
+                    state: stopped_state(ended_at),
+                    ..r.clone()
+                }),
+                None => Change::Write(TurnRecord {
+                    id: item.turn.clone(),
+                    session: session.clone(),
+                    text: item.text.clone(),
+                    queued_at: ended_at,
+                    state: stopped_state(ended_at),
+                }),
+            })
+            .await
+            .map_err(internal)?;
+        if let Some(rec) = rec {
+            let ev = crate::lane::outcome_event(&rec).map_err(internal)?;
+            events::publish(&ctx.js, &ev).await.map_err(internal)?;
+        }
+    }
+    stream.purge().filter(subject).await.map_err(internal)?;
+    match stream
+        .delete_consumer(&subjects::lane_consumer(session))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            tracing::debug!(%session, error = %e, "delete lane consumer");
+            Ok(())
+        }
+    }
+}
+
+fn stopped_state(ended_at: chrono::DateTime<Utc>) -> TurnState {
+    TurnState::Failed {
+        ended_at,
+        reason: reason::SESSION_STOPPED.to_string(),
+        detail: "the session was stopped before this turn ended".to_string(),
+        output: Vec::new(),
+    }
+}
+
+async fn list(ctx: Arc<Ctx>, _req: ListSessions) -> Result<Vec<SessionView>, ApiError> {
+    let mut sessions = ctx
+        .buckets
+        .sessions
+        .values::<SessionRecord>()
+        .await
+        .map_err(internal)?;
+    sessions.sort_by(|a, b| a.created_at.cmp(&b.created_at));
+    let hosts = live_hosts(&ctx).await?;
+    let mut out = Vec::with_capacity(sessions.len());
+    for s in sessions {
+        out.push(view(&ctx, s, &hosts).await?);
+    }
+    Ok(out)
+}
+
+async fn show(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionView, ApiError> {
+    let record = match ctx
+        .buckets
+        .sessions
+        .get::<SessionRecord>(req.session.as_str())
+        .await
+    {
+        Ok(Some((r, _))) => r,
+        Ok(None) => return Err(ApiError::not_found(format!("no session {}", req.session))),
+        Err(e) => return Err(internal(e)),
+    };
+    let hosts = live_hosts(&ctx).await?;
+    view(&ctx, record, &hosts).await
+}
+
+/// Busy and queued are read off the lane consumer itself (R1), never from a flag.
+async fn view(
+    ctx: &Ctx,
+    record: SessionRecord,
+    hosts: &[HostRecord],
+) -> Result<SessionView, ApiError> {
+    let transport = if hosts.iter().any(|h| h.name == record.host) {
+        "up"
+    } else {
+        "transport_unavailable"
+    };
+    let mut busy = false;
+    let mut queued = 0;
+    let mut in_flight = None;
+    if record.is_active() {
+        let stream = ctx
+            .js
+            .get_stream_no_info(subjects::LANE_STREAM)
+            .await
+            .map_err(internal)?;
+        if let Ok(info) = stream
+            .consumer_info(subjects::lane_consumer(&record.id))
+            .await
+        {
+            busy = info.num_ack_pending > 0;
+            queued = info.num_pending;
+            if busy {
+                in_flight =
+                    in_flight_turn(ctx, &stream, &record.id, info.delivered.stream_sequence).await;
+            }
+        }
+    }
+    Ok(SessionView {
+        session: record.redacted(),
+        busy,
+        in_flight,
+        queued,
+        transport: transport.to_string(),
+    })
+}
+
+async fn in_flight_turn(
+    ctx: &Ctx,
+    stream: &async_nats::jetstream::stream::Stream<()>,
+    session: &SessionId,
+    seq: u64,
+) -> Option<TurnRecord> {
+    let msg = stream.direct_get(seq).await.ok()?;
+    let LaneItem::Turn(item) = LaneItem::decode(&msg.payload, session).ok()?;
+    let turn: TurnId = item.turn;
+    ctx.buckets
+        .turns
+        .get::<TurnRecord>(turn.as_str())
+        .await
+        .ok()
+        .flatten()
+        .map(|(r, _)| r)
+}

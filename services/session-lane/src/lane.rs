@@ -1,0 +1,385 @@
+//! One session's lane worker: pulls the session's next lane item (at most one is ever in
+//! flight), dispatches it to the session's host, waits for its outcome, then acks. Occupancy is
+//! exactly "this consumer has an unacked item" (R1); nothing else records it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use async_nats::HeaderMap;
+use chrono::Utc;
+use futures::StreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::envelope::Envelope;
+use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::records::{
+    transport_kind, LaneItem, SessionRecord, TurnCommand, TurnItem, TurnRecord, TurnState,
+};
+use turnstile_shared::{subjects, topology};
+
+use crate::turn_watch::{sleep_or_cancel, TurnWaiter};
+use crate::Ctx;
+
+type ItemFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+#[derive(Debug, thiserror::Error)]
+enum LaneError {
+    #[error(transparent)]
+    Topology(#[from] topology::TopologyError),
+    #[error("open pull stream on {consumer}: {source}")]
+    Pull {
+        consumer: String,
+        source: async_nats::Error,
+    },
+    #[error("pull stream of {0} ended")]
+    Ended(String),
+}
+
+/// Serves the lane until cancelled; errors (NATS restarts, a deleted consumer) are retried.
+pub(crate) async fn run_lane(ctx: Arc<Ctx>, session: SessionRecord, cancel: CancellationToken) {
+    let mut delay = Duration::from_millis(100);
+    while !cancel.is_cancelled() {
+        match serve(&ctx, &session, &cancel).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(session = %session.id, error = %e, "lane interrupted; resuming");
+                sleep_or_cancel(&cancel, delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+    tracing::debug!(session = %session.id, "lane worker stopped");
+}
+
+async fn serve(
+    ctx: &Arc<Ctx>,
+    session: &SessionRecord,
+    cancel: &CancellationToken,
+) -> Result<(), LaneError> {
+    let name = subjects::lane_consumer(&session.id);
+    let consumer = topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    let expiry = ctx.topology.lane_pull_expiry();
+    let mut messages = consumer
+        .stream()
+        .group(subjects::LANE_GROUP)
+        .max_messages_per_batch(1)
+        .expires(expiry)
+        .heartbeat(expiry / 2)
+        .messages()
+        .await
+        .map_err(|e| LaneError::Pull {
+            consumer: name.clone(),
+            source: e.into(),
+        })?;
+    let item_cancel = cancel.child_token();
+    let mut in_flight: Option<(u64, ItemFuture)> = None;
+    let ended = loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break None,
+            _ = async { if let Some((_, f)) = in_flight.as_mut() { f.await } }, if in_flight.is_some() => {
+                in_flight = None;
+            }
+            next = messages.next() => match next {
+                Some(Ok(msg)) => {
+                    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+                    if let Some((current, _)) = &in_flight {
+                        // Only a redelivery of the item we still hold can arrive (max_ack_pending 1).
+                        tracing::debug!(session = %session.id, seq, current, "redelivery of item in flight");
+                        continue;
+                    }
+                    let fut = handle_item(ctx.clone(), session.clone(), msg, item_cancel.clone());
+                    in_flight = Some((seq, Box::pin(fut)));
+                }
+                Some(Err(e)) => {
+                    tracing::debug!(session = %session.id, error = %e, "lane pull");
+                }
+                None => break Some(LaneError::Ended(name.clone())),
+            }
+        }
+    };
+    if let Some(err) = ended {
+        // Keep the item we hold: its handler is still waiting; a fresh pull stream redelivers
+        // nothing new while it is unacked.
+        if let Some((_, f)) = in_flight {
+            f.await;
+        }
+        return Err(err);
+    }
+    // Graceful hand-over: stop pulling, release the pin, then give the item back.
+    drop(messages);
+    if let Ok(stream) = ctx.js.get_stream_no_info(subjects::LANE_STREAM).await {
+        if let Err(e) = stream.unpin_consumer(&name, subjects::LANE_GROUP).await {
+            tracing::debug!(session = %session.id, error = %e, "unpin lane");
+        }
+    }
+    item_cancel.cancel();
+    if let Some((_, f)) = in_flight {
+        f.await;
+    }
+    Ok(())
+}
+
+async fn handle_item(
+    ctx: Arc<Ctx>,
+    session: SessionRecord,
+    msg: jetstream::Message,
+    cancel: CancellationToken,
+) {
+    match LaneItem::decode(&msg.payload, &session.id) {
+        Ok(LaneItem::Turn(item)) => run_turn(&ctx, &session, msg, item, &cancel).await,
+        Err(e) => reject(&ctx, &session, &msg, &e.to_string()).await,
+    }
+}
+
+/// R15: a lane item this build cannot take goes to the dead-letter subject with the reason, an
+/// event says so, and the lane moves on to the next item.
+async fn reject(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, reason: &str) {
+    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+    tracing::warn!(session = %session.id, seq, reason, "refusing lane item");
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        subjects::REASON_HEADER,
+        reason.replace(['\r', '\n'], " ").as_str(),
+    );
+    headers.insert("Nats-Msg-Id", format!("lane:{}:{seq}", session.id).as_str());
+    let dlq = subjects::lane_deadletter(&session.id);
+    let stored = async {
+        ctx.js
+            .publish_with_headers(dlq.clone(), headers, msg.payload.clone())
+            .await?
+            .await?;
+        let ev = session_event(
+            kind::LANE_REJECTED,
+            &session.id,
+            None,
+            &json!({ "reason": reason, "lane_seq": seq, "dead_letter": dlq }),
+        )?
+        .with_id(format!("{}:lane.rejected:{seq}", session.id));
+        events::publish(&ctx.js, &ev).await?;
+        Ok::<(), async_nats::Error>(())
+    }
+    .await;
+    match stored {
+        Ok(()) => {
+            if let Err(e) = msg.ack_with(AckKind::Term).await {
+                tracing::warn!(session = %session.id, error = %e, "term refused item");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(session = %session.id, error = %e, "dead-letter failed; will retry");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
+        }
+    }
+}
+
+async fn run_turn(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: jetstream::Message,
+    item: TurnItem,
+    cancel: &CancellationToken,
+) {
+    let waiter = ctx.turns.wait(&item.turn);
+    let record = match current_record(ctx, session, &item).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "read turn; retrying");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+                .await;
+            return;
+        }
+    };
+    if record.session != session.id {
+        let reason = format!("turn {} belongs to session {}", record.id, record.session);
+        return reject(ctx, session, &msg, &reason).await;
+    }
+    if !record.state.is_terminal() {
+        if let Err(e) = dispatch(ctx, session, &msg, &item).await {
+            tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+                .await;
+            return;
+        }
+    }
+    let record = if record.state.is_terminal() {
+        Some(record)
+    } else {
+        wait_terminal(ctx, &msg, &item, waiter, cancel).await
+    };
+    match record {
+        Some(record) => finish(ctx, session, &msg, &record).await,
+        None => {
+            // Cancelled: hand the item back so the replica that takes the lane continues it.
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+        }
+    }
+}
+
+/// The turn's record; created here for items published straight onto the lane subject.
+async fn current_record(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    item: &TurnItem,
+) -> Result<TurnRecord, turnstile_shared::kv::KvError> {
+    let key = item.turn.as_str();
+    if let Some((r, _)) = ctx.buckets.turns.get::<TurnRecord>(key).await? {
+        return Ok(r);
+    }
+    let fresh = TurnRecord {
+        id: item.turn.clone(),
+        session: session.id.clone(),
+        text: item.text.clone(),
+        queued_at: Utc::now(),
+        state: TurnState::Queued,
+    };
+    ctx.buckets.turns.create(key, &fresh).await?;
+    Ok(ctx
+        .buckets
+        .turns
+        .get::<TurnRecord>(key)
+        .await?
+        .map(|(r, _)| r)
+        .unwrap_or(fresh))
+}
+
+/// `turn.started` and the transport command, sent together and both acknowledged (R14). The
+/// transport de-duplicates by turn id, so a repeat after a crash never types twice.
+async fn dispatch(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: &jetstream::Message,
+    item: &TurnItem,
+) -> Result<(), async_nats::Error> {
+    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+    let started = session_event(
+        kind::TURN_STARTED,
+        &session.id,
+        Some(&item.turn),
+        &json!({ "replica": ctx.replica, "host": session.host, "delivery": delivered }),
+    )?;
+    let event_ack = events::send(&ctx.js, &started).await?;
+    let command = Envelope::new(
+        transport_kind::TURN,
+        &TurnCommand {
+            session: session.id.clone(),
+            turn: item.turn.clone(),
+            text: item.text.clone(),
+        },
+    )?
+    .with_session(&session.id)
+    .with_turn(&item.turn)
+    .with_id(item.turn.to_string());
+    let subject = subjects::transport(&session.host, "turn");
+    let command_ack = ctx
+        .js
+        .send_publish(
+            subject,
+            async_nats::jetstream::message::PublishMessage::build()
+                .payload(command.encode()?)
+                .message_id(command.id.clone()),
+        )
+        .await?;
+    let (e, c) = tokio::join!(event_ack, command_ack);
+    e?;
+    c?;
+    Ok(())
+}
+
+/// Waits for the transport to record the outcome, keeping the item alive with progress acks.
+async fn wait_terminal(
+    ctx: &Ctx,
+    msg: &jetstream::Message,
+    item: &TurnItem,
+    mut waiter: TurnWaiter,
+    cancel: &CancellationToken,
+) -> Option<TurnRecord> {
+    let period = ctx.topology.progress_interval();
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    let mut watching = true;
+    loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return None,
+            changed = waiter.rx.changed(), if watching => {
+                if changed.is_err() {
+                    watching = false;
+                    continue;
+                }
+                let rec = waiter.rx.borrow_and_update().clone();
+                if let Some(rec) = rec.filter(|r| r.state.is_terminal()) {
+                    return Some(rec);
+                }
+            }
+            _ = tick.tick() => {
+                if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                    tracing::debug!(turn = %item.turn, error = %e, "progress ack");
+                }
+                // Fallback for a watch that missed an update across a reconnect.
+                if let Ok(Some((rec, _))) = ctx.buckets.turns.get::<TurnRecord>(item.turn.as_str()).await {
+                    if rec.state.is_terminal() {
+                        return Some(rec);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Emits the outcome event (derived from the durable record) and frees the lane.
+async fn finish(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, record: &TurnRecord) {
+    let event = outcome_event(record);
+    let event_ack = match event {
+        Ok(ev) => events::send(&ctx.js, &ev).await.ok(),
+        Err(e) => {
+            tracing::warn!(turn = %record.id, error = %e, "build outcome event");
+            None
+        }
+    };
+    if let Err(e) = msg.double_ack().await {
+        tracing::warn!(session = %session.id, turn = %record.id, error = %e, "ack lane item");
+    }
+    if let Some(ack) = event_ack {
+        if let Err(e) = ack.await {
+            tracing::warn!(turn = %record.id, error = %e, "outcome event");
+        }
+    }
+}
+
+/// `turn.completed` or `turn.failed` for a terminal record; shared with the stop path.
+pub(crate) fn outcome_event(
+    record: &TurnRecord,
+) -> Result<Envelope, turnstile_shared::EnvelopeError> {
+    let (k, data) = match &record.state {
+        TurnState::Completed {
+            host,
+            typed_at,
+            ended_at,
+            output,
+        } => (
+            kind::TURN_COMPLETED,
+            json!({ "host": host, "typed_at": typed_at, "ended_at": ended_at, "output": output }),
+        ),
+        TurnState::Failed {
+            reason,
+            detail,
+            ended_at,
+            output,
+        } => (
+            kind::TURN_FAILED,
+            json!({ "reason": reason, "detail": detail, "ended_at": ended_at, "output": output }),
+        ),
+        other => (
+            kind::TURN_FAILED,
+            json!({ "reason": "not_terminal", "detail": other.name() }),
+        ),
+    };
+    session_event(k, &record.session, Some(&record.id), &data)
+}

@@ -1,0 +1,92 @@
+//! The session-lane service: sessions, their exclusive lanes, and turn dispatch to each
+//! session's host. Several replicas may run; each lane is pinned to exactly one of them (R1).
+
+mod api;
+mod lane;
+mod supervisor;
+mod turn_watch;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::topology::{self, Buckets, TopologyConfig};
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub nats_url: String,
+    pub topology: TopologyConfig,
+    /// Names this replica in events (`turn.started` carries it), so operators see who served.
+    pub replica: String,
+    /// How long a graceful stop may take to hand lanes over before giving up.
+    pub shutdown_grace: Duration,
+}
+
+impl Config {
+    pub fn new(nats_url: impl Into<String>) -> Self {
+        Self {
+            nats_url: nats_url.into(),
+            topology: TopologyConfig::default(),
+            replica: format!("lane-{}", std::process::id()),
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("connect to NATS at {url}: {source}")]
+    Connect {
+        url: String,
+        source: async_nats::ConnectError,
+    },
+    #[error(transparent)]
+    Topology(#[from] topology::TopologyError),
+    #[error("start API service: {0}")]
+    Api(async_nats::Error),
+    #[error("watch {what}: {source}")]
+    Watch {
+        what: &'static str,
+        source: async_nats::Error,
+    },
+}
+
+/// Everything a lane worker or API handler needs, shared by reference.
+pub(crate) struct Ctx {
+    pub client: async_nats::Client,
+    pub js: async_nats::jetstream::Context,
+    pub buckets: Buckets,
+    pub topology: TopologyConfig,
+    pub replica: String,
+    pub turns: turn_watch::TurnWatch,
+}
+
+/// Runs the service until `shutdown` is cancelled, then hands its lanes over and returns.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
+    let client = turnstile_shared::config::connect(&config.nats_url, &config.replica)
+        .await
+        .map_err(|source| Error::Connect {
+            url: config.nats_url.clone(),
+            source,
+        })?;
+    let js = async_nats::jetstream::new(client.clone());
+    let buckets = topology::provision(&js, &config.topology).await?;
+    let turns = turn_watch::TurnWatch::start(buckets.turns.clone(), shutdown.child_token());
+    let ctx = Arc::new(Ctx {
+        client,
+        js,
+        buckets,
+        topology: config.topology.clone(),
+        replica: config.replica.clone(),
+        turns,
+    });
+    tracing::info!(replica = %ctx.replica, "session-lane running");
+
+    let api = api::serve(ctx.clone(), shutdown.child_token());
+    let lanes = supervisor::run(ctx.clone(), shutdown.clone());
+    let (api_result, lanes_result) = tokio::join!(api, lanes);
+    // Best effort: flush acks and naks so other replicas see them before this one exits.
+    let _ = tokio::time::timeout(config.shutdown_grace, ctx.client.flush()).await;
+    api_result?;
+    lanes_result
+}

@@ -1,0 +1,36 @@
+//! `turnstile-session-lane`: reads config, starts tracing, runs the service until SIGTERM.
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::config::{NatsArgs, TopologyArgs};
+
+#[derive(Parser)]
+#[command(
+    name = "turnstile-session-lane",
+    version,
+    about = "Turnstile session lanes"
+)]
+struct Args {
+    #[command(flatten)]
+    nats: NatsArgs,
+    #[command(flatten)]
+    topology: TopologyArgs,
+    /// Name of this replica in events (default: lane-<pid>).
+    #[arg(long, env = "TURNSTILE_REPLICA")]
+    replica: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    turnstile_shared::telemetry::init();
+    let args = Args::parse();
+    let mut config = turnstile_session_lane::Config::new(args.nats.url);
+    config.topology = args.topology.to_config();
+    if let Some(r) = args.replica {
+        config.replica = r;
+    }
+    let shutdown = CancellationToken::new();
+    turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
+    turnstile_session_lane::run(config, shutdown).await?;
+    Ok(())
+}

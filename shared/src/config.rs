@@ -1,0 +1,95 @@
+//! Settings every binary takes the same way: where NATS is, and the topology timings, from
+//! flags or `TURNSTILE_*` environment variables.
+
+use std::time::Duration;
+
+use crate::topology::TopologyConfig;
+
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct NatsArgs {
+    /// NATS server URL.
+    #[arg(long = "nats", env = "TURNSTILE_NATS_URL", default_value = DEFAULT_NATS_URL, global = true)]
+    pub url: String,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct TopologyArgs {
+    /// Redelivery wait of lane items (progress-acked while a turn runs), e.g. `30s`.
+    #[arg(long, env = "TURNSTILE_LANE_ACK_WAIT", default_value = "30s", value_parser = parse_duration)]
+    pub lane_ack_wait: Duration,
+    /// How long a session-lane replica keeps a lane's pin after it stops pulling.
+    #[arg(long, env = "TURNSTILE_LANE_PIN_TTL", default_value = "30s", value_parser = parse_duration)]
+    pub lane_pin_ttl: Duration,
+    /// Redelivery wait of transport commands.
+    #[arg(long, env = "TURNSTILE_TRANSPORT_ACK_WAIT", default_value = "30s", value_parser = parse_duration)]
+    pub transport_ack_wait: Duration,
+    /// A host that has not heartbeaten for this long counts as gone.
+    #[arg(long, env = "TURNSTILE_HOST_TTL", default_value = "15s", value_parser = parse_duration)]
+    pub host_ttl: Duration,
+}
+
+impl TopologyArgs {
+    pub fn to_config(&self) -> TopologyConfig {
+        TopologyConfig {
+            lane_ack_wait: self.lane_ack_wait,
+            lane_pin_ttl: self.lane_pin_ttl,
+            transport_ack_wait: self.transport_ack_wait,
+            host_ttl: self.host_ttl,
+            ..TopologyConfig::default()
+        }
+    }
+}
+
+/// Parses `250ms`, `3s`, `2m`, `1h` or bare seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (use e.g. 500ms, 3s, 2m, 1h)"))?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        other => return Err(format!("invalid duration unit {other:?} in {s:?}")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("invalid duration {s:?}"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Connects with reconnects forever, so a NATS restart is a pause, not an outage.
+pub async fn connect(
+    url: &str,
+    name: &str,
+) -> Result<async_nats::Client, async_nats::ConnectError> {
+    async_nats::ConnectOptions::new()
+        .name(name)
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connection_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("3s"), Ok(Duration::from_secs(3)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("5"), Ok(Duration::from_secs(5)));
+        assert!(parse_duration("5x").is_err());
+        assert!(parse_duration("").is_err());
+    }
+}

@@ -1,0 +1,221 @@
+//! Typed identifiers. Each id has a prefix (`ses_`, `trn_`, ...) so a stray string can never
+//! stand in for the wrong kind of id, and every id is a valid single NATS subject token.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    #[error("{kind} id {value:?} must start with {prefix:?}")]
+    Prefix {
+        kind: &'static str,
+        prefix: &'static str,
+        value: String,
+    },
+    #[error("{kind} id {value:?} may hold only ASCII letters, digits, '-' and '_' (1-64 after the prefix)")]
+    Chars { kind: &'static str, value: String },
+}
+
+/// True when `s` can be used as one NATS subject token and a KV key part.
+pub fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+macro_rules! prefixed_id {
+    ($(#[$doc:meta])* $name:ident, $prefix:literal, $kind:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $name(String);
+
+        impl $name {
+            pub const PREFIX: &'static str = $prefix;
+
+            /// A fresh id; uuid v7 keeps ids of one kind roughly ordered by creation time.
+            pub fn new() -> Self {
+                Self(format!("{}{}", $prefix, uuid::Uuid::now_v7().simple()))
+            }
+
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = IdError;
+            fn from_str(s: &str) -> Result<Self, IdError> {
+                let rest = s.strip_prefix($prefix).ok_or_else(|| IdError::Prefix {
+                    kind: $kind,
+                    prefix: $prefix,
+                    value: s.to_string(),
+                })?;
+                if !is_token(rest) {
+                    return Err(IdError::Chars { kind: $kind, value: s.to_string() });
+                }
+                Ok(Self(s.to_string()))
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = IdError;
+            fn try_from(s: String) -> Result<Self, IdError> {
+                s.parse()
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(id: $name) -> String {
+                id.0
+            }
+        }
+    };
+}
+
+prefixed_id!(
+    /// One long-lived agent conversation in a terminal on a host.
+    SessionId, "ses_", "session"
+);
+prefixed_id!(
+    /// One message typed into a session's agent and its reply.
+    TurnId, "trn_", "turn"
+);
+prefixed_id!(
+    /// One lifecycle event on `TS_EVENTS`.
+    EventId, "evt_", "event"
+);
+
+/// A host's name, as given to its transport agent with `--host`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct HostName(String);
+
+impl HostName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for HostName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for HostName {
+    type Err = IdError;
+    fn from_str(s: &str) -> Result<Self, IdError> {
+        if !is_token(s) {
+            return Err(IdError::Chars {
+                kind: "host",
+                value: s.to_string(),
+            });
+        }
+        Ok(Self(s.to_string()))
+    }
+}
+
+impl TryFrom<String> for HostName {
+    type Error = IdError;
+    fn try_from(s: String) -> Result<Self, IdError> {
+        s.parse()
+    }
+}
+
+impl From<HostName> for String {
+    fn from(h: HostName) -> String {
+        h.0
+    }
+}
+
+/// The agent CLI's own conversation id (what its resume flag takes). Chosen by the agent, so
+/// only checked to be a safe token.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct ConversationId(String);
+
+impl ConversationId {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ConversationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for ConversationId {
+    type Err = IdError;
+    fn from_str(s: &str) -> Result<Self, IdError> {
+        if !is_token(s) {
+            return Err(IdError::Chars {
+                kind: "conversation",
+                value: s.to_string(),
+            });
+        }
+        Ok(Self(s.to_string()))
+    }
+}
+
+impl TryFrom<String> for ConversationId {
+    type Error = IdError;
+    fn try_from(s: String) -> Result<Self, IdError> {
+        s.parse()
+    }
+}
+
+impl From<ConversationId> for String {
+    fn from(c: ConversationId) -> String {
+        c.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_and_refuse_wrong_prefix() {
+        let s = SessionId::new();
+        assert!(s.as_str().starts_with("ses_"));
+        assert_eq!(s.to_string().parse::<SessionId>(), Ok(s.clone()));
+        assert!(matches!(
+            s.as_str().parse::<TurnId>(),
+            Err(IdError::Prefix { .. })
+        ));
+        assert!(matches!(
+            "ses_a.b".parse::<SessionId>(),
+            Err(IdError::Chars { .. })
+        ));
+        assert!("ses_".parse::<SessionId>().is_err());
+        let json = serde_json::to_string(&s).expect("serialize");
+        assert_eq!(serde_json::from_str::<SessionId>(&json).expect("parse"), s);
+        assert!(serde_json::from_str::<SessionId>("\"trn_x\"").is_err());
+    }
+
+    #[test]
+    fn host_names_are_subject_tokens() {
+        assert!("gpu-01".parse::<HostName>().is_ok());
+        assert!("a.b".parse::<HostName>().is_err());
+        assert!("*".parse::<HostName>().is_err());
+        assert!("".parse::<HostName>().is_err());
+    }
+}

@@ -1,0 +1,190 @@
+//! Typed JSON access to KV buckets with revision compare-and-set, so every record update is
+//! a read-modify-write that loses to a concurrent writer instead of overwriting it.
+
+use async_nats::jetstream::kv::{CreateErrorKind, Store, UpdateErrorKind};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    #[error("kv {op} {bucket}/{key}: {source}")]
+    Nats {
+        op: &'static str,
+        bucket: String,
+        key: String,
+        source: async_nats::Error,
+    },
+    #[error("kv {bucket}/{key} holds a record this build cannot read: {source}")]
+    Decode {
+        bucket: String,
+        key: String,
+        source: serde_json::Error,
+    },
+    #[error("encode record for {bucket}/{key}: {source}")]
+    Encode {
+        bucket: String,
+        key: String,
+        source: serde_json::Error,
+    },
+    #[error("kv {bucket}/{key} changed under us {attempts} times in a row")]
+    Contended {
+        bucket: String,
+        key: String,
+        attempts: u32,
+    },
+}
+
+/// A typed view of one bucket.
+#[derive(Clone)]
+pub struct Bucket {
+    store: Store,
+    name: String,
+}
+
+/// What a compare-and-set closure decides for the current value.
+pub enum Change<T> {
+    Write(T),
+    Keep,
+}
+
+impl Bucket {
+    pub fn new(store: Store, name: &str) -> Self {
+        Self {
+            store,
+            name: name.to_string(),
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn nats(&self, op: &'static str, key: &str, source: impl Into<async_nats::Error>) -> KvError {
+        KvError::Nats {
+            op,
+            bucket: self.name.clone(),
+            key: key.to_string(),
+            source: source.into(),
+        }
+    }
+
+    fn decode<T: DeserializeOwned>(&self, key: &str, bytes: &[u8]) -> Result<T, KvError> {
+        serde_json::from_slice(bytes).map_err(|source| KvError::Decode {
+            bucket: self.name.clone(),
+            key: key.to_string(),
+            source,
+        })
+    }
+
+    fn encode<T: Serialize>(&self, key: &str, value: &T) -> Result<bytes::Bytes, KvError> {
+        serde_json::to_vec(value)
+            .map(bytes::Bytes::from)
+            .map_err(|source| KvError::Encode {
+                bucket: self.name.clone(),
+                key: key.to_string(),
+                source,
+            })
+    }
+
+    /// The value and its revision; `None` when absent or deleted.
+    pub async fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<(T, u64)>, KvError> {
+        let entry = self
+            .store
+            .entry(key)
+            .await
+            .map_err(|e| self.nats("get", key, e))?;
+        match entry {
+            Some(e) if e.operation == async_nats::jetstream::kv::Operation::Put => {
+                Ok(Some((self.decode(key, &e.value)?, e.revision)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    pub async fn put<T: Serialize>(&self, key: &str, value: &T) -> Result<u64, KvError> {
+        let bytes = self.encode(key, value)?;
+        self.store
+            .put(key, bytes)
+            .await
+            .map_err(|e| self.nats("put", key, e))
+    }
+
+    /// Writes only if the key does not exist; `Ok(None)` when it already did.
+    pub async fn create<T: Serialize>(&self, key: &str, value: &T) -> Result<Option<u64>, KvError> {
+        let bytes = self.encode(key, value)?;
+        match self.store.create(key, bytes).await {
+            Ok(rev) => Ok(Some(rev)),
+            Err(e) if e.kind() == CreateErrorKind::AlreadyExists => Ok(None),
+            Err(e) => Err(self.nats("create", key, e)),
+        }
+    }
+
+    /// Writes only if the key is still at `revision`; `Ok(None)` when someone wrote first.
+    pub async fn update<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+        revision: u64,
+    ) -> Result<Option<u64>, KvError> {
+        let bytes = self.encode(key, value)?;
+        match self.store.update(key, bytes, revision).await {
+            Ok(rev) => Ok(Some(rev)),
+            Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Ok(None),
+            Err(e) => Err(self.nats("update", key, e)),
+        }
+    }
+
+    /// Read-modify-write with retries on conflict. `f` sees the current value (or `None`) and
+    /// decides; returns the value that is stored afterwards.
+    pub async fn modify<T, F>(&self, key: &str, mut f: F) -> Result<Option<T>, KvError>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnMut(Option<&T>) -> Change<T>,
+    {
+        const ATTEMPTS: u32 = 16;
+        for _ in 0..ATTEMPTS {
+            let current = self.get::<T>(key).await?;
+            let change = f(current.as_ref().map(|(v, _)| v));
+            let next = match change {
+                Change::Keep => return Ok(current.map(|(v, _)| v)),
+                Change::Write(next) => next,
+            };
+            let written = match &current {
+                Some((_, rev)) => self.update(key, &next, *rev).await?,
+                None => self.create(key, &next).await?,
+            };
+            if written.is_some() {
+                return Ok(Some(next));
+            }
+        }
+        Err(KvError::Contended {
+            bucket: self.name.clone(),
+            key: key.to_string(),
+            attempts: ATTEMPTS,
+        })
+    }
+
+    /// Every live key's value (skipping unreadable ones, which are logged).
+    pub async fn values<T: DeserializeOwned>(&self) -> Result<Vec<T>, KvError> {
+        use futures::TryStreamExt;
+        let keys: Vec<String> = match self.store.keys().await {
+            Ok(k) => k
+                .try_collect()
+                .await
+                .map_err(|e| self.nats("keys", "*", e))?,
+            Err(e) => return Err(self.nats("keys", "*", e)),
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            match self.get::<T>(&key).await {
+                Ok(Some((v, _))) => out.push(v),
+                Ok(None) => {}
+                Err(KvError::Decode { .. }) => {
+                    tracing::warn!(bucket = %self.name, %key, "skipping unreadable record")
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+}

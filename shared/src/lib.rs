@@ -1,0 +1,16 @@
+//! The vocabulary every Turnstile service shares: typed ids, the versioned wire envelope,
+//! records kept in KV, subject names and the JetStream topology.
+
+pub mod api;
+pub mod config;
+pub mod envelope;
+pub mod events;
+pub mod ids;
+pub mod kv;
+pub mod records;
+pub mod subjects;
+pub mod telemetry;
+pub mod topology;
+
+pub use envelope::{Envelope, EnvelopeError, WIRE_VERSION};
+pub use ids::{ConversationId, EventId, HostName, IdError, SessionId, TurnId};

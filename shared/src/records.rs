@@ -1,0 +1,278 @@
+//! Records kept in KV and the payloads of lane items and transport commands. States are enums
+//! that carry their own data, so a record cannot claim an outcome it has no evidence for.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::envelope::{Envelope, EnvelopeError};
+use crate::ids::{ConversationId, HostName, SessionId, TurnId};
+
+/// Which adapter drives a session's agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentKind {
+    /// The bundled `turnstile mock-agent` in a tmux pane.
+    Mock,
+    /// Completes every turn at once, in process; for benchmarks of the lane itself.
+    Instant,
+}
+
+impl std::str::FromStr for AgentKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "mock" => Ok(Self::Mock),
+            "instant" => Ok(Self::Instant),
+            other => Err(format!(
+                "unknown agent kind {other:?} (known: mock, instant)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for AgentKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Mock => "mock",
+            Self::Instant => "instant",
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    pub id: SessionId,
+    pub name: String,
+    pub agent: AgentKind,
+    pub host: HostName,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Secret the agent presents on tool calls; never printed by the CLI.
+    pub token: String,
+    pub created_at: DateTime<Utc>,
+    /// The agent's own conversation id, learnt by the transport after launch (for resume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<ConversationId>,
+    #[serde(flatten)]
+    pub state: SessionState,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum SessionState {
+    Active,
+    Stopped { stopped_at: DateTime<Utc> },
+}
+
+impl SessionRecord {
+    pub fn is_active(&self) -> bool {
+        matches!(self.state, SessionState::Active)
+    }
+
+    /// The record as shown to operators: the token is replaced.
+    pub fn redacted(&self) -> Self {
+        Self {
+            token: "<redacted>".to_string(),
+            ..self.clone()
+        }
+    }
+}
+
+/// Named reasons a turn fails with; stable strings, documented in docs/events.md.
+pub mod reason {
+    pub const SESSION_STOPPED: &str = "session_stopped";
+    pub const AGENT_EXITED: &str = "agent_exited";
+    pub const TURN_TIMEOUT: &str = "turn_timeout";
+    pub const PARENT_TRANSPORT_UNAVAILABLE: &str = "parent_transport_unavailable";
+    pub const TRANSPORT_ERROR: &str = "transport_error";
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnRecord {
+    pub id: TurnId,
+    pub session: SessionId,
+    pub text: String,
+    pub queued_at: DateTime<Utc>,
+    #[serde(flatten)]
+    pub state: TurnState,
+}
+
+/// Queued until a transport types it; then Running; then one terminal state, never left.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum TurnState {
+    Queued,
+    Running {
+        host: HostName,
+        typed_at: DateTime<Utc>,
+    },
+    Completed {
+        host: HostName,
+        typed_at: DateTime<Utc>,
+        ended_at: DateTime<Utc>,
+        /// The last lines the agent printed for this turn.
+        output: Vec<String>,
+    },
+    Failed {
+        ended_at: DateTime<Utc>,
+        reason: String,
+        detail: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        output: Vec<String>,
+    },
+}
+
+impl TurnState {
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, Self::Completed { .. } | Self::Failed { .. })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running { .. } => "running",
+            Self::Completed { .. } => "completed",
+            Self::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// Lane item types (the envelope's `type`).
+pub mod lane_kind {
+    pub const TURN: &str = "lane.turn";
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnItem {
+    pub turn: TurnId,
+    pub text: String,
+}
+
+/// What a session's lane carries. Only turns so far; deliveries and runs join later.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LaneItem {
+    Turn(TurnItem),
+}
+
+impl LaneItem {
+    pub fn to_envelope(&self, session: &SessionId) -> Result<Envelope, EnvelopeError> {
+        match self {
+            Self::Turn(item) => Ok(Envelope::new(lane_kind::TURN, item)?
+                .with_session(session)
+                .with_turn(&item.turn)
+                .with_id(item.turn.to_string())),
+        }
+    }
+
+    /// Decodes a lane message, checking that it belongs to the lane it arrived on.
+    pub fn decode(bytes: &[u8], lane_session: &SessionId) -> Result<Self, LaneItemError> {
+        let env = Envelope::decode(bytes)?;
+        if env.session.as_ref() != Some(lane_session) {
+            return Err(LaneItemError::WrongSession {
+                found: env.session.map(|s| s.to_string()),
+            });
+        }
+        match env.kind.as_str() {
+            lane_kind::TURN => {
+                let item: TurnItem = env.data_as()?;
+                if env.turn.as_ref().is_some_and(|t| *t != item.turn) {
+                    return Err(LaneItemError::TurnMismatch);
+                }
+                Ok(Self::Turn(item))
+            }
+            other => Err(LaneItemError::UnknownKind(other.to_string())),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaneItemError {
+    #[error(transparent)]
+    Envelope(#[from] EnvelopeError),
+    #[error("lane item names session {found:?}, not the lane's own session")]
+    WrongSession { found: Option<String> },
+    #[error("lane item's envelope turn differs from its data's turn")]
+    TurnMismatch,
+    #[error("unknown lane item type {0:?}")]
+    UnknownKind(String),
+}
+
+/// Transport command types (the envelope's `type`), published on `ts.transport.<host>.<verb>`.
+pub mod transport_kind {
+    pub const START: &str = "transport.start";
+    pub const TURN: &str = "transport.turn";
+    pub const STOP: &str = "transport.stop";
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StartCommand {
+    pub session: SessionId,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnCommand {
+    pub session: SessionId,
+    pub turn: TurnId,
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StopCommand {
+    pub session: SessionId,
+}
+
+/// A host's heartbeat record in the hosts bucket (the bucket's TTL drops lapsed hosts).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostRecord {
+    pub name: HostName,
+    pub started_at: DateTime<Utc>,
+    pub heartbeat_at: DateTime<Utc>,
+    pub version: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lane_items_refuse_foreign_sessions_and_types() {
+        let s = SessionId::new();
+        let item = LaneItem::Turn(TurnItem {
+            turn: TurnId::new(),
+            text: "hello".into(),
+        });
+        let bytes = item.to_envelope(&s).expect("env").encode().expect("bytes");
+        assert_eq!(LaneItem::decode(&bytes, &s).expect("decode"), item);
+        let other = SessionId::new();
+        assert!(matches!(
+            LaneItem::decode(&bytes, &other),
+            Err(LaneItemError::WrongSession { .. })
+        ));
+        let env = Envelope::new("lane.bogus", &serde_json::json!({}))
+            .expect("env")
+            .with_session(&s);
+        let err = LaneItem::decode(&env.encode().expect("bytes"), &s).expect_err("kind");
+        assert!(err.to_string().contains("lane.bogus"));
+    }
+
+    #[test]
+    fn turn_states_serialize_with_status_tag() {
+        let rec = TurnRecord {
+            id: TurnId::new(),
+            session: SessionId::new(),
+            text: "x".into(),
+            queued_at: Utc::now(),
+            state: TurnState::Failed {
+                ended_at: Utc::now(),
+                reason: reason::AGENT_EXITED.into(),
+                detail: "exit 3".into(),
+                output: vec![],
+            },
+        };
+        let v = serde_json::to_value(&rec).expect("json");
+        assert_eq!(v["status"], "failed");
+        assert_eq!(v["reason"], "agent_exited");
+        let back: TurnRecord = serde_json::from_value(v).expect("back");
+        assert_eq!(back, rec);
+    }
+}

@@ -1,0 +1,233 @@
+//! Idempotent provisioning of every stream, bucket and consumer. Each service calls
+//! [`provision`] at start, so any of them can be the first to run against an empty server.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, kv, stream};
+
+use crate::ids::{HostName, SessionId};
+use crate::subjects;
+
+/// Timings baked into streams and consumers. Defaults suit production; tests shorten them so
+/// fail-over happens in seconds.
+#[derive(Debug, Clone)]
+pub struct TopologyConfig {
+    /// How long a lane item may go without an ack or progress ack before it is redelivered.
+    pub lane_ack_wait: Duration,
+    /// How long a session-lane replica keeps a lane's pin without pulling.
+    pub lane_pin_ttl: Duration,
+    /// Redelivery wait for transport commands (progress-acked while a turn runs).
+    pub transport_ack_wait: Duration,
+    /// A host whose heartbeat is older than this drops out of the hosts bucket.
+    pub host_ttl: Duration,
+    /// Per-stream consumer ceiling (the server's default of 1,000 is far too low for lanes).
+    pub max_consumers: i32,
+    /// How long lifecycle events are kept.
+    pub events_max_age: Duration,
+}
+
+impl Default for TopologyConfig {
+    fn default() -> Self {
+        Self {
+            lane_ack_wait: Duration::from_secs(30),
+            lane_pin_ttl: Duration::from_secs(30),
+            transport_ack_wait: Duration::from_secs(30),
+            host_ttl: Duration::from_secs(15),
+            max_consumers: 1_000_000,
+            events_max_age: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+impl TopologyConfig {
+    /// How often a holder of a lane item or transport command must show progress.
+    pub fn progress_interval(&self) -> Duration {
+        (self.lane_ack_wait.min(self.transport_ack_wait) / 3).max(Duration::from_millis(200))
+    }
+
+    /// Pull requests must be renewed well within the pin TTL or the pin is lost between pulls.
+    pub fn lane_pull_expiry(&self) -> Duration {
+        (self.lane_pin_ttl / 3).max(Duration::from_secs(1))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    #[error("create stream {name}: {source}")]
+    Stream {
+        name: String,
+        source: async_nats::Error,
+    },
+    #[error("create kv bucket {name}: {source}")]
+    Bucket {
+        name: String,
+        source: async_nats::Error,
+    },
+    #[error("create consumer {name} on {stream}: {source}")]
+    Consumer {
+        stream: String,
+        name: String,
+        source: async_nats::Error,
+    },
+}
+
+/// The buckets every service opens.
+#[derive(Clone)]
+pub struct Buckets {
+    pub sessions: crate::kv::Bucket,
+    pub turns: crate::kv::Bucket,
+    pub hosts: crate::kv::Bucket,
+}
+
+fn stream_config(
+    name: &str,
+    subjects: &[&str],
+    retention: stream::RetentionPolicy,
+) -> stream::Config {
+    stream::Config {
+        name: name.to_string(),
+        subjects: subjects.iter().map(|s| s.to_string()).collect(),
+        retention,
+        storage: stream::StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        allow_direct: true,
+        ..Default::default()
+    }
+}
+
+/// Creates (or brings up to date) every stream and bucket; returns the buckets.
+pub async fn provision(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+) -> Result<Buckets, TopologyError> {
+    use stream::RetentionPolicy::{Limits, WorkQueue};
+    let mut streams = vec![
+        stream_config(subjects::LANE_STREAM, &[subjects::LANE_ALL], WorkQueue),
+        stream_config(
+            subjects::TRANSPORT_STREAM,
+            &[subjects::TRANSPORT_ALL],
+            WorkQueue,
+        ),
+        stream_config(
+            subjects::COMPLETION_STREAM,
+            &[subjects::COMPLETION_ALL],
+            WorkQueue,
+        ),
+        stream_config(subjects::STEP_STREAM, &[subjects::STEP_ALL], WorkQueue),
+        stream_config(subjects::EVENTS_STREAM, &[subjects::EVENTS_ALL], Limits),
+        stream_config(
+            subjects::DEADLETTER_STREAM,
+            &[subjects::DEADLETTER_ALL],
+            Limits,
+        ),
+    ];
+    for s in &mut streams {
+        s.max_consumers = cfg.max_consumers;
+        if s.retention == Limits {
+            s.max_age = cfg.events_max_age;
+        }
+    }
+    for config in streams {
+        let name = config.name.clone();
+        js.create_or_update_stream(config)
+            .await
+            .map_err(|e| TopologyError::Stream {
+                name,
+                source: e.into(),
+            })?;
+    }
+    let bucket = |name: &str, max_age: Duration| kv::Config {
+        bucket: name.to_string(),
+        history: 1,
+        max_age,
+        storage: stream::StorageType::File,
+        ..Default::default()
+    };
+    let mut opened = Vec::new();
+    for config in [
+        bucket(subjects::SESSIONS_BUCKET, Duration::ZERO),
+        bucket(subjects::TURNS_BUCKET, Duration::ZERO),
+        bucket(subjects::HOSTS_BUCKET, cfg.host_ttl),
+    ] {
+        let name = config.bucket.clone();
+        let store =
+            js.create_or_update_key_value(config)
+                .await
+                .map_err(|e| TopologyError::Bucket {
+                    name: name.clone(),
+                    source: e.into(),
+                })?;
+        opened.push(crate::kv::Bucket::new(store, &name));
+    }
+    let mut it = opened.into_iter();
+    match (it.next(), it.next(), it.next()) {
+        (Some(sessions), Some(turns), Some(hosts)) => Ok(Buckets {
+            sessions,
+            turns,
+            hosts,
+        }),
+        _ => unreachable!("three buckets were opened above"),
+    }
+}
+
+/// A session's exclusive lane consumer: one item in flight, pinned to one replica (R1).
+pub async fn ensure_lane_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+    session: &SessionId,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = subjects::lane_consumer(session);
+    let config = consumer::pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subject: subjects::lane(session),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: cfg.lane_ack_wait,
+        max_ack_pending: 1,
+        max_deliver: -1,
+        priority_policy: consumer::PriorityPolicy::PinnedClient,
+        priority_groups: vec![subjects::LANE_GROUP.to_string()],
+        priority_timeout: cfg.lane_pin_ttl,
+        ..Default::default()
+    };
+    create_consumer(js, subjects::LANE_STREAM, &name, config).await
+}
+
+/// The one consumer of a host's transport commands.
+pub async fn ensure_transport_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+    host: &HostName,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = subjects::transport_consumer(host);
+    let config = consumer::pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subject: subjects::transport_host_all(host),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: cfg.transport_ack_wait,
+        max_ack_pending: 100_000,
+        max_deliver: -1,
+        ..Default::default()
+    };
+    create_consumer(js, subjects::TRANSPORT_STREAM, &name, config).await
+}
+
+async fn create_consumer(
+    js: &jetstream::Context,
+    stream_name: &str,
+    name: &str,
+    config: consumer::pull::Config,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let err = |e: async_nats::Error| TopologyError::Consumer {
+        stream: stream_name.to_string(),
+        name: name.to_string(),
+        source: e,
+    };
+    let stream = js
+        .get_stream_no_info(stream_name)
+        .await
+        .map_err(|e| err(e.into()))?;
+    stream
+        .create_consumer(config)
+        .await
+        .map_err(|e| err(e.into()))
+}
