@@ -8,7 +8,7 @@ use crate::envelope::{Envelope, EnvelopeError};
 use crate::ids::{ConversationId, HostName, SessionId, TurnId};
 
 /// Which adapter drives a session's agent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AgentKind {
     /// The bundled `turnstile mock-agent` in a tmux pane.

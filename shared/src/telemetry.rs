@@ -4,8 +4,13 @@ use tokio_util::sync::CancellationToken;
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`). Safe to call twice.
 pub fn init() {
+    init_with_default("info");
+}
+
+/// Like [`init`], with another default filter when `RUST_LOG` is unset.
+pub fn init_with_default(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -1,1 +1,144 @@
-//! placeholder
+//! The transport agent: one per host. It runs each session's agent in a terminal on this host,
+//! types the turns the session lanes dispatch, and records how each turn ended.
+
+mod adapter;
+mod commands;
+mod heartbeat;
+mod mock;
+mod tmux;
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::records::AgentKind;
+use turnstile_shared::topology::{self, Buckets, TopologyConfig};
+use turnstile_shared::{HostName, SessionId, TurnId};
+
+pub use adapter::{Adapter, InstantAdapter, Ready, SessionSpec, TurnEnd, Unavailable};
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub nats_url: String,
+    pub host: HostName,
+    pub topology: TopologyConfig,
+    /// Holds the private tmux socket and the agents' default working directory.
+    pub data_dir: PathBuf,
+    /// The `turnstile` binary, whose `mock-agent` subcommand the mock adapter launches.
+    pub agent_bin: PathBuf,
+    /// Where mock agents keep their conversations.
+    pub mock_state_dir: PathBuf,
+    /// R9: how long a launch or resume may take to reach a ready prompt.
+    pub ready_timeout: Duration,
+    /// A turn whose agent is not back at its prompt by then fails with `turn_timeout`.
+    pub turn_timeout: Duration,
+}
+
+impl Config {
+    pub fn new(nats_url: impl Into<String>, host: HostName, data_dir: PathBuf) -> Self {
+        Self {
+            nats_url: nats_url.into(),
+            host,
+            topology: TopologyConfig::default(),
+            agent_bin: default_agent_bin(),
+            mock_state_dir: data_dir.join("mock-agent"),
+            data_dir,
+            ready_timeout: Duration::from_secs(120),
+            turn_timeout: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// `turnstile` next to this executable (or this executable when it is `turnstile`), else PATH.
+pub fn default_agent_bin() -> PathBuf {
+    if let Ok(exe) = std::env::current_exe() {
+        if exe.file_name().is_some_and(|n| n == "turnstile") {
+            return exe;
+        }
+        if let Some(sibling) = exe.parent().map(|d| d.join("turnstile")) {
+            if sibling.exists() {
+                return sibling;
+            }
+        }
+    }
+    PathBuf::from("turnstile")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("connect to NATS at {url}: {source}")]
+    Connect {
+        url: String,
+        source: async_nats::ConnectError,
+    },
+    #[error(transparent)]
+    Topology(#[from] topology::TopologyError),
+    #[error("prepare data dir {dir}: {source}")]
+    DataDir {
+        dir: String,
+        source: std::io::Error,
+    },
+}
+
+pub(crate) struct Ctx {
+    pub js: async_nats::jetstream::Context,
+    pub buckets: Buckets,
+    pub config: Config,
+    pub adapters: HashMap<AgentKind, Arc<dyn Adapter>>,
+    pub sessions: Mutex<HashMap<SessionId, SessionSpec>>,
+    /// Turns this process is typing or watching: a redelivered command for one is a duplicate.
+    pub active: Mutex<HashSet<TurnId>>,
+    pub stopped: Mutex<HashSet<SessionId>>,
+    pub launch_locks: Mutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// Runs the transport agent until `shutdown` is cancelled.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
+    let dir_err = |source| Error::DataDir {
+        dir: config.data_dir.display().to_string(),
+        source,
+    };
+    std::fs::create_dir_all(&config.mock_state_dir).map_err(dir_err)?;
+    let tmux = tmux::Tmux::new(&config.data_dir).map_err(dir_err)?;
+    let client = turnstile_shared::config::connect(
+        &config.nats_url,
+        &format!("transport-{}", config.host),
+    )
+    .await
+    .map_err(|source| Error::Connect {
+        url: config.nats_url.clone(),
+        source,
+    })?;
+    let js = async_nats::jetstream::new(client.clone());
+    let buckets = topology::provision(&js, &config.topology).await?;
+    let mut adapters: HashMap<AgentKind, Arc<dyn Adapter>> = HashMap::new();
+    adapters.insert(
+        AgentKind::Mock,
+        Arc::new(mock::MockAdapter {
+            tmux,
+            agent_bin: config.agent_bin.clone(),
+            state_dir: config.mock_state_dir.clone(),
+            default_cwd: config.data_dir.clone(),
+            nats_url: config.nats_url.clone(),
+        }),
+    );
+    adapters.insert(AgentKind::Instant, Arc::new(InstantAdapter));
+    let ctx = Arc::new(Ctx {
+        js,
+        buckets,
+        config,
+        adapters,
+        sessions: Mutex::default(),
+        active: Mutex::default(),
+        stopped: Mutex::default(),
+        launch_locks: Mutex::default(),
+    });
+    tracing::info!(host = %ctx.config.host, "transport agent running");
+    let beat = heartbeat::run(ctx.clone(), shutdown.clone());
+    let cmds = commands::run(ctx.clone(), shutdown.clone());
+    let (beat, cmds) = tokio::join!(beat, cmds);
+    let _ = client.flush().await;
+    beat.and(cmds)
+}

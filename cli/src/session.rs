@@ -1,0 +1,244 @@
+//! `turnstile session ...`: thin calls to the session-lane API, printed for people or as JSON.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Subcommand;
+use futures::StreamExt;
+use turnstile_shared::api::{self, CreateSession, ListSessions, SendTurn, SessionRef, SessionView};
+use turnstile_shared::config::parse_duration;
+use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::subjects::{self, api as subj};
+use turnstile_shared::{HostName, SessionId, TurnId};
+
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Subcommand)]
+pub enum SessionCommand {
+    /// Create a session; prints its id alone.
+    Create {
+        #[arg(long, default_value = "mock")]
+        agent: AgentKind,
+        #[arg(long)]
+        name: String,
+        /// Pin the session to this host (default: the live host with the fewest sessions).
+        #[arg(long)]
+        host: Option<HostName>,
+        #[arg(long)]
+        cwd: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List sessions with their lane state.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// One session: idle or busy (with the item in flight), queued count, host, transport.
+    Show {
+        id: SessionId,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Queue a message as a turn; with --wait, exit 0 if it completed and 1 if it failed.
+    Send {
+        id: SessionId,
+        text: String,
+        #[arg(long)]
+        wait: bool,
+        /// With --wait: give up waiting after this long (exit 3); the turn goes on.
+        #[arg(long, default_value = "1h", value_parser = parse_duration)]
+        timeout: Duration,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop a session: its terminal ends and its queued turns fail with `session_stopped`.
+    Stop {
+        id: SessionId,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
+    let client = async_nats::ConnectOptions::new()
+        .name("turnstile-cli")
+        .connect(url)
+        .await
+        .with_context(|| format!("connect to NATS at {url}"))?;
+    match cmd {
+        SessionCommand::Create {
+            agent,
+            name,
+            host,
+            cwd,
+            json,
+        } => {
+            let cwd = cwd.map(|p| std::path::absolute(&p).unwrap_or(p));
+            let req = CreateSession {
+                agent,
+                name,
+                host,
+                cwd: cwd.map(|p| p.to_string_lossy().into_owned()),
+            };
+            let rec: SessionRecord = api::call(&client, subj::SESSION_CREATE, &req, API_TIMEOUT).await?;
+            if json {
+                println!("{}", serde_json::to_string(&rec)?);
+            } else {
+                println!("{}", rec.id);
+            }
+        }
+        SessionCommand::List { json } => {
+            let views: Vec<SessionView> =
+                api::call(&client, subj::SESSION_LIST, &ListSessions::default(), API_TIMEOUT).await?;
+            if json {
+                println!("{}", serde_json::to_string(&views)?);
+            } else {
+                println!("{:<36} {:<16} {:<8} {:<12} {:<8} {:>6}  transport", "SESSION", "NAME", "AGENT", "HOST", "STATE", "QUEUED");
+                for v in &views {
+                    println!(
+                        "{:<36} {:<16} {:<8} {:<12} {:<8} {:>6}  {}",
+                        v.session.id, v.session.name, v.session.agent, v.session.host, state(v), v.queued, v.transport
+                    );
+                }
+            }
+        }
+        SessionCommand::Show { id, json } => {
+            let v: SessionView =
+                api::call(&client, subj::SESSION_SHOW, &SessionRef { session: id }, API_TIMEOUT).await?;
+            if json {
+                println!("{}", serde_json::to_string(&v)?);
+            } else {
+                print_view(&v);
+            }
+        }
+        SessionCommand::Send {
+            id,
+            text,
+            wait,
+            timeout,
+            json,
+        } => return send(&client, id, text, wait, timeout, json).await,
+        SessionCommand::Stop { id, json } => {
+            let rec: SessionRecord =
+                api::call(&client, subj::SESSION_STOP, &SessionRef { session: id }, API_TIMEOUT).await?;
+            if json {
+                println!("{}", serde_json::to_string(&rec)?);
+            } else {
+                println!("stopped {}", rec.id);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn state(v: &SessionView) -> &'static str {
+    match (&v.session.state, v.busy) {
+        (turnstile_shared::records::SessionState::Stopped { .. }, _) => "stopped",
+        (_, true) => "busy",
+        (_, false) => "idle",
+    }
+}
+
+fn print_view(v: &SessionView) {
+    let s = &v.session;
+    println!("session    {} ({})", s.id, s.name);
+    println!("agent      {}", s.agent);
+    println!("host       {} (transport {})", s.host, v.transport);
+    if let Some(c) = &s.conversation {
+        println!("conversation {c}");
+    }
+    match &v.in_flight {
+        Some(t) => println!("state      busy: {} {} {:?}", t.id, t.state.name(), first_line(&t.text)),
+        None => println!("state      {}", state(v)),
+    }
+    println!("queued     {}", v.queued);
+}
+
+fn first_line(s: &str) -> String {
+    let line = s.lines().next().unwrap_or_default();
+    line.chars().take(60).collect()
+}
+
+async fn send(
+    client: &async_nats::Client,
+    session: SessionId,
+    text: String,
+    wait: bool,
+    timeout: Duration,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let turn = TurnId::new();
+    // Watch before sending, so the outcome cannot slip by between the two.
+    let watch = if wait {
+        let js = async_nats::jetstream::new(client.clone());
+        let kv = js
+            .get_key_value(subjects::TURNS_BUCKET)
+            .await
+            .context("open turns bucket")?;
+        Some(kv.watch_with_history(turn.as_str()).await.context("watch turn")?)
+    } else {
+        None
+    };
+    let req = SendTurn {
+        session,
+        text,
+        turn: Some(turn.clone()),
+    };
+    let rec: TurnRecord = api::call(client, subj::SESSION_SEND, &req, API_TIMEOUT).await?;
+    let Some(mut watch) = watch else {
+        if json {
+            println!("{}", serde_json::to_string(&rec)?);
+        } else {
+            println!("{}", rec.id);
+        }
+        return Ok(ExitCode::SUCCESS);
+    };
+    let outcome = tokio::time::timeout(timeout, async {
+        while let Some(entry) = watch.next().await {
+            let entry = entry.context("turn watch")?;
+            if let Ok(r) = serde_json::from_slice::<TurnRecord>(&entry.value) {
+                if r.state.is_terminal() {
+                    return Ok::<_, anyhow::Error>(Some(r));
+                }
+            }
+        }
+        Ok(None)
+    })
+    .await;
+    let rec = match outcome {
+        Ok(Ok(Some(r))) => r,
+        Ok(Ok(None)) => anyhow::bail!("turn watch ended before turn {turn} did"),
+        Ok(Err(e)) => return Err(e),
+        Err(_) => {
+            eprintln!("turn {turn} still running after {timeout:?}");
+            return Ok(ExitCode::from(3));
+        }
+    };
+    if json {
+        println!("{}", serde_json::to_string(&rec)?);
+    }
+    match &rec.state {
+        TurnState::Completed { output, .. } => {
+            if !json {
+                println!("{} completed", rec.id);
+                for l in output {
+                    println!("  {l}");
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        TurnState::Failed { reason, detail, output, .. } => {
+            if !json {
+                println!("{} failed: {reason}: {detail}", rec.id);
+                for l in output {
+                    println!("  {l}");
+                }
+            }
+            Ok(ExitCode::from(1))
+        }
+        _ => Ok(ExitCode::from(1)),
+    }
+}

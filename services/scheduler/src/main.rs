@@ -1,0 +1,26 @@
+//! `turnstile-scheduler`: reads config, starts tracing, runs the service until SIGTERM.
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::config::{NatsArgs, TopologyArgs};
+
+#[derive(Parser)]
+#[command(name = "turnstile-scheduler", version)]
+struct Args {
+    #[command(flatten)]
+    nats: NatsArgs,
+    #[command(flatten)]
+    topology: TopologyArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    turnstile_shared::telemetry::init();
+    let args = Args::parse();
+    let mut config = turnstile_scheduler::Config::new(args.nats.url);
+    config.topology = args.topology.to_config();
+    let shutdown = CancellationToken::new();
+    turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
+    turnstile_scheduler::run(config, shutdown).await?;
+    Ok(())
+}

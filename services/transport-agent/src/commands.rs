@@ -1,0 +1,414 @@
+//! Consumes this host's transport commands (`start`, `turn`, `stop`). A turn is recorded as
+//! `running` (an acknowledged KV write) before a single key is typed, and its command is acked
+//! only once the outcome is recorded, so a redelivered command never types twice (R14).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use chrono::Utc;
+use futures::StreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::envelope::Envelope;
+use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::kv::Change;
+use turnstile_shared::records::{
+    reason, transport_kind, SessionRecord, StartCommand, StopCommand, TurnCommand, TurnRecord,
+    TurnState,
+};
+use turnstile_shared::{subjects, topology, SessionId, TurnId};
+
+use crate::adapter::{Adapter, SessionSpec, TurnEnd};
+use crate::{Ctx, Error};
+
+pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
+    let mut delay = Duration::from_millis(100);
+    while !shutdown.is_cancelled() {
+        match consume(&ctx, &shutdown).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(host = %ctx.config.host, error = %e, "transport commands interrupted; resuming");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
+    let consumer =
+        topology::ensure_transport_consumer(&ctx.js, &ctx.config.topology, &ctx.config.host)
+            .await?;
+    let mut messages = consumer.messages().await?;
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            n = messages.next() => n,
+        };
+        match next {
+            Some(Ok(msg)) => {
+                tokio::spawn(handle(ctx.clone(), msg));
+            }
+            Some(Err(e)) => tracing::debug!(error = %e, "transport pull"),
+            None => return Err("transport pull stream ended".into()),
+        }
+    }
+}
+
+async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message) {
+    let env = match Envelope::decode(&msg.payload) {
+        Ok(env) => env,
+        Err(e) => return refuse(&msg, &e.to_string()).await,
+    };
+    let result = match env.kind.as_str() {
+        transport_kind::TURN => match env.data_as::<TurnCommand>() {
+            Ok(cmd) => return handle_turn(&ctx, msg, cmd).await,
+            Err(e) => Err(e.to_string()),
+        },
+        transport_kind::START => match env.data_as::<StartCommand>() {
+            Ok(cmd) => {
+                handle_start(&ctx, &cmd.session).await;
+                Ok(())
+            }
+            Err(e) => Err(e.to_string()),
+        },
+        transport_kind::STOP => match env.data_as::<StopCommand>() {
+            Ok(cmd) => {
+                handle_stop(&ctx, &cmd.session).await;
+                Ok(())
+            }
+            Err(e) => Err(e.to_string()),
+        },
+        other => Err(format!("unknown transport command {other:?}")),
+    };
+    match result {
+        Ok(()) => {
+            let _ = msg.double_ack().await;
+        }
+        Err(reason) => refuse(&msg, &reason).await,
+    }
+}
+
+/// R15: a command this build cannot read is dropped with a log line; nothing else stops.
+async fn refuse(msg: &jetstream::Message, reason: &str) {
+    tracing::warn!(subject = %msg.subject, reason, "refusing transport command");
+    let _ = msg.ack_with(AckKind::Term).await;
+}
+
+async fn spec_for(ctx: &Ctx, session: &SessionId) -> Option<(SessionSpec, bool)> {
+    if let Ok(map) = ctx.sessions.lock() {
+        if let Some(spec) = map.get(session) {
+            return Some((spec.clone(), true));
+        }
+    }
+    let record = match ctx.buckets.sessions.get::<SessionRecord>(session.as_str()).await {
+        Ok(Some((r, _))) => r,
+        Ok(None) => return None,
+        Err(e) => {
+            tracing::warn!(%session, error = %e, "read session");
+            return None;
+        }
+    };
+    let active = record.is_active();
+    let spec = SessionSpec {
+        id: record.id.clone(),
+        agent: record.agent,
+        cwd: record.cwd.map(Into::into),
+        conversation: record.conversation,
+        token: record.token,
+    };
+    if active {
+        if let Ok(mut map) = ctx.sessions.lock() {
+            map.insert(session.clone(), spec.clone());
+        }
+    }
+    Some((spec, active))
+}
+
+fn adapter(ctx: &Ctx, spec: &SessionSpec) -> Option<Arc<dyn Adapter>> {
+    ctx.adapters.get(&spec.agent).cloned()
+}
+
+fn is_stopped(ctx: &Ctx, session: &SessionId) -> bool {
+    ctx.stopped.lock().map(|s| s.contains(session)).unwrap_or(false)
+}
+
+/// Launches (or resumes) the agent if needed; one launch per session at a time.
+async fn ensure_ready(ctx: &Ctx, spec: &SessionSpec) -> Result<(), TurnEnd> {
+    let Some(adapter) = adapter(ctx, spec) else {
+        return Err(TurnEnd::Failed {
+            reason: reason::TRANSPORT_ERROR,
+            detail: format!("host {} has no adapter for agent {}", ctx.config.host, spec.agent),
+            output: Vec::new(),
+        });
+    };
+    let lock = {
+        let mut locks = match ctx.launch_locks.lock() {
+            Ok(l) => l,
+            Err(p) => p.into_inner(),
+        };
+        locks.entry(spec.id.clone()).or_default().clone()
+    };
+    let _guard = lock.lock().await;
+    match adapter.ensure_ready(spec, ctx.config.ready_timeout).await {
+        Ok(ready) => {
+            if ready.conversation.is_some() && ready.conversation != spec.conversation {
+                remember_conversation(ctx, spec, ready.conversation.clone()).await;
+            }
+            if ready.launched {
+                let ev = session_event(
+                    kind::TERMINAL_READY,
+                    &spec.id,
+                    None,
+                    &json!({ "host": ctx.config.host, "conversation": ready.conversation }),
+                )
+                .map(|e| e.with_id(uuid::Uuid::now_v7().simple().to_string()));
+                if let Ok(ev) = ev {
+                    let _ = events::publish(&ctx.js, &ev).await;
+                }
+            }
+            Ok(())
+        }
+        Err(u) => Err(TurnEnd::Failed {
+            reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
+            detail: format!(
+                "host {}, terminal {}: {}",
+                ctx.config.host, spec.id, u.detail
+            ),
+            output: u.last_lines,
+        }),
+    }
+}
+
+async fn remember_conversation(
+    ctx: &Ctx,
+    spec: &SessionSpec,
+    conversation: Option<turnstile_shared::ConversationId>,
+) {
+    if let Ok(mut map) = ctx.sessions.lock() {
+        if let Some(s) = map.get_mut(&spec.id) {
+            s.conversation = conversation.clone();
+        }
+    }
+    let r = ctx
+        .buckets
+        .sessions
+        .modify::<SessionRecord, _>(spec.id.as_str(), |cur| match cur {
+            Some(r) if r.conversation != conversation => Change::Write(SessionRecord {
+                conversation: conversation.clone(),
+                ..r.clone()
+            }),
+            _ => Change::Keep,
+        })
+        .await;
+    if let Err(e) = r {
+        tracing::warn!(session = %spec.id, error = %e, "record conversation id");
+    }
+}
+
+async fn handle_start(ctx: &Ctx, session: &SessionId) {
+    let Some((spec, true)) = spec_for(ctx, session).await else {
+        return;
+    };
+    if let Err(TurnEnd::Failed { detail, .. }) = ensure_ready(ctx, &spec).await {
+        tracing::warn!(%session, detail, "agent not ready after start; the next turn retries");
+    }
+}
+
+async fn handle_stop(ctx: &Ctx, session: &SessionId) {
+    if let Ok(mut s) = ctx.stopped.lock() {
+        s.insert(session.clone());
+    }
+    let spec = spec_for(ctx, session).await.map(|(s, _)| s);
+    if let Ok(mut map) = ctx.sessions.lock() {
+        map.remove(session);
+    }
+    if let Some(spec) = spec {
+        if let Some(adapter) = adapter(ctx, &spec) {
+            adapter.stop(&spec).await;
+        }
+    }
+}
+
+/// Forgets a turn as active when its handler ends, however it ends.
+struct ActiveGuard<'a> {
+    ctx: &'a Ctx,
+    turn: TurnId,
+}
+
+impl Drop for ActiveGuard<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut a) = self.ctx.active.lock() {
+            a.remove(&self.turn);
+        }
+    }
+}
+
+async fn handle_turn(ctx: &Ctx, msg: jetstream::Message, cmd: TurnCommand) {
+    let inserted = ctx
+        .active
+        .lock()
+        .map(|mut a| a.insert(cmd.turn.clone()))
+        .unwrap_or(false);
+    if !inserted {
+        // A redelivery of a turn this process is still running: its handler will ack.
+        return;
+    }
+    let _guard = ActiveGuard {
+        ctx,
+        turn: cmd.turn.clone(),
+    };
+    let period = ctx.config.topology.progress_interval();
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    let work = drive_turn(ctx, &cmd);
+    tokio::pin!(work);
+    let outcome = loop {
+        tokio::select! {
+            out = &mut work => break out,
+            _ = tick.tick() => {
+                if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                    tracing::debug!(turn = %cmd.turn, error = %e, "progress ack");
+                }
+            }
+        }
+    };
+    match outcome {
+        Ok(()) => {
+            if let Err(e) = msg.double_ack().await {
+                tracing::warn!(turn = %cmd.turn, error = %e, "ack turn command");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(turn = %cmd.turn, error = %e, "turn command; will retry");
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_millis(500)))).await;
+        }
+    }
+}
+
+/// Runs the turn to a recorded outcome. `Err` means nothing durable happened yet: retry.
+async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared::kv::KvError> {
+    let key = cmd.turn.as_str();
+    let (record, revision) = match ctx.buckets.turns.get::<TurnRecord>(key).await? {
+        Some(r) => r,
+        None => {
+            let fresh = TurnRecord {
+                id: cmd.turn.clone(),
+                session: cmd.session.clone(),
+                text: cmd.text.clone(),
+                queued_at: Utc::now(),
+                state: TurnState::Queued,
+            };
+            ctx.buckets.turns.create(key, &fresh).await?;
+            match ctx.buckets.turns.get::<TurnRecord>(key).await? {
+                Some(r) => r,
+                None => return Ok(()),
+            }
+        }
+    };
+    if record.state.is_terminal() {
+        return Ok(());
+    }
+    let Some((spec, active)) = spec_for(ctx, &cmd.session).await else {
+        return record_end(ctx, &record, failed(reason::TRANSPORT_ERROR, format!("no session {}", cmd.session))).await;
+    };
+    if !active || is_stopped(ctx, &cmd.session) {
+        return record_end(ctx, &record, failed(reason::SESSION_STOPPED, "the session is stopped".into())).await;
+    }
+    let Some(adapter) = adapter(ctx, &spec) else {
+        return record_end(ctx, &record, failed(reason::TRANSPORT_ERROR, format!("no adapter for agent {}", spec.agent))).await;
+    };
+    let end = match &record.state {
+        // Typed by an earlier run of this transport: watch it to its end, never type again.
+        TurnState::Running { .. } => adapter.await_turn(&spec, ctx.config.turn_timeout).await,
+        _ => {
+            if let Err(end) = ensure_ready(ctx, &spec).await {
+                return record_end(ctx, &record, end).await;
+            }
+            let running = TurnRecord {
+                state: TurnState::Running {
+                    host: ctx.config.host.clone(),
+                    typed_at: Utc::now(),
+                },
+                ..record.clone()
+            };
+            if ctx.buckets.turns.update(key, &running, revision).await?.is_none() {
+                // Someone else moved the turn on; start over from what is recorded now.
+                return Err(turnstile_shared::kv::KvError::Contended {
+                    bucket: subjects::TURNS_BUCKET.to_string(),
+                    key: key.to_string(),
+                    attempts: 1,
+                });
+            }
+            adapter.run_turn(&spec, &cmd.text, ctx.config.turn_timeout).await
+        }
+    };
+    let end = match end {
+        TurnEnd::Failed { output, .. } if is_stopped(ctx, &cmd.session) => TurnEnd::Failed {
+            reason: reason::SESSION_STOPPED,
+            detail: "the session was stopped during the turn".into(),
+            output,
+        },
+        other => other,
+    };
+    record_end(ctx, &record, end).await
+}
+
+fn failed(reason: &'static str, detail: String) -> TurnEnd {
+    TurnEnd::Failed {
+        reason,
+        detail,
+        output: Vec::new(),
+    }
+}
+
+/// Writes the outcome unless another writer already ended the turn.
+async fn record_end(
+    ctx: &Ctx,
+    record: &TurnRecord,
+    end: TurnEnd,
+) -> Result<(), turnstile_shared::kv::KvError> {
+    let ended_at = Utc::now();
+    let host = ctx.config.host.clone();
+    ctx.buckets
+        .turns
+        .modify::<TurnRecord, _>(record.id.as_str(), |cur| {
+            let base = cur.unwrap_or(record);
+            if base.state.is_terminal() {
+                return Change::Keep;
+            }
+            let typed_at = match &base.state {
+                TurnState::Running { typed_at, .. } => *typed_at,
+                _ => ended_at,
+            };
+            let state = match &end {
+                TurnEnd::Completed { output } => TurnState::Completed {
+                    host: host.clone(),
+                    typed_at,
+                    ended_at,
+                    output: output.clone(),
+                },
+                TurnEnd::Failed {
+                    reason,
+                    detail,
+                    output,
+                } => TurnState::Failed {
+                    ended_at,
+                    reason: reason.to_string(),
+                    detail: detail.clone(),
+                    output: output.clone(),
+                },
+            };
+            Change::Write(TurnRecord {
+                state,
+                ..base.clone()
+            })
+        })
+        .await
+        .map(|_| ())
+}

@@ -1,0 +1,263 @@
+//! The `mock` adapter: `turnstile mock-agent` in a tmux pane. Readiness is "the cursor sits on
+//! a bare `❯` prompt line"; a turn has ended when the cursor has moved past the line it was
+//! typed on and sits on a bare prompt again.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tokio::time::Instant;
+use turnstile_shared::records::reason;
+use turnstile_shared::ConversationId;
+
+use crate::adapter::{Adapter, Ready, SessionSpec, TurnEnd, Unavailable};
+use crate::tmux::{PaneState, Tmux};
+
+const PROMPT: &str = "❯";
+const EVIDENCE_LINES: usize = 20;
+
+pub struct MockAdapter {
+    pub tmux: Tmux,
+    /// The `turnstile` binary whose `mock-agent` subcommand is launched.
+    pub agent_bin: PathBuf,
+    pub state_dir: PathBuf,
+    pub default_cwd: PathBuf,
+    pub nats_url: String,
+}
+
+fn is_ready(state: &PaneState) -> bool {
+    !state.dead && state.cursor_text().trim_end() == PROMPT
+}
+
+/// Poll delays: quick at first (most turns of a fast agent end in milliseconds), then relaxed.
+struct Backoff(Duration);
+
+impl Backoff {
+    fn new() -> Self {
+        Self(Duration::from_millis(5))
+    }
+    async fn wait(&mut self) {
+        tokio::time::sleep(self.0).await;
+        self.0 = (self.0 * 2).min(Duration::from_millis(100));
+    }
+}
+
+impl MockAdapter {
+    fn launch_argv(&self, spec: &SessionSpec) -> Vec<String> {
+        let mut argv = vec![
+            self.agent_bin.to_string_lossy().into_owned(),
+            "mock-agent".to_string(),
+            "--state-dir".to_string(),
+            self.state_dir.to_string_lossy().into_owned(),
+        ];
+        if let Some(c) = &spec.conversation {
+            argv.push("--resume".to_string());
+            argv.push(c.to_string());
+        }
+        argv
+    }
+
+    async fn launch(&self, spec: &SessionSpec) -> Result<(), Unavailable> {
+        let name = spec.id.as_str();
+        if self.tmux.has_session(name).await {
+            let _ = self.tmux.kill_session(name).await;
+        }
+        let argv = self.launch_argv(spec);
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let cwd = spec.cwd.clone().unwrap_or_else(|| self.default_cwd.clone());
+        let env = [
+            ("TURNSTILE_SESSION", spec.id.as_str()),
+            ("TURNSTILE_TOKEN", spec.token.as_str()),
+            ("TURNSTILE_NATS_URL", self.nats_url.as_str()),
+        ];
+        self.tmux
+            .new_session(name, &cwd, &env, &argv)
+            .await
+            .map_err(|e| Unavailable {
+                detail: format!("launch `{}`: {e}", argv.join(" ")),
+                last_lines: Vec::new(),
+            })
+    }
+
+    /// Polls until the prompt shows, the pane dies, or the deadline passes.
+    async fn wait_ready(&self, name: &str, deadline: Instant) -> Result<PaneState, Unavailable> {
+        let mut backoff = Backoff::new();
+        loop {
+            let state = self.tmux.pane_state(name).await.map_err(|e| Unavailable {
+                detail: format!("terminal {name}: {e}"),
+                last_lines: Vec::new(),
+            })?;
+            if is_ready(&state) {
+                return Ok(state);
+            }
+            if state.dead {
+                return Err(Unavailable {
+                    detail: format!(
+                        "agent in terminal {name} exited (status {})",
+                        state.dead_status.map_or("unknown".into(), |s| s.to_string())
+                    ),
+                    last_lines: state.last_lines(EVIDENCE_LINES),
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(Unavailable {
+                    detail: format!("terminal {name} not at a ready prompt in time"),
+                    last_lines: state.last_lines(EVIDENCE_LINES),
+                });
+            }
+            backoff.wait().await;
+        }
+    }
+
+    /// Waits for the end of a turn typed at absolute line `typed_line` (None: any prompt).
+    async fn wait_turn_end(&self, name: &str, typed_line: Option<i64>, timeout: Duration) -> TurnEnd {
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Backoff::new();
+        loop {
+            let state = match self.tmux.pane_state(name).await {
+                Ok(s) => s,
+                Err(e) => {
+                    return TurnEnd::Failed {
+                        reason: reason::AGENT_EXITED,
+                        detail: format!("terminal {name} is gone: {e}"),
+                        output: Vec::new(),
+                    }
+                }
+            };
+            if state.dead {
+                return TurnEnd::Failed {
+                    reason: reason::AGENT_EXITED,
+                    detail: format!(
+                        "agent exited during the turn (status {})",
+                        state.dead_status.map_or("unknown".into(), |s| s.to_string())
+                    ),
+                    output: state.last_lines(EVIDENCE_LINES),
+                };
+            }
+            let moved = typed_line.is_none_or(|l| state.cursor_line() > l);
+            if moved && is_ready(&state) {
+                let from = typed_line.unwrap_or(state.cursor_line() - EVIDENCE_LINES as i64);
+                let output = self
+                    .tmux
+                    .capture_lines(name, &state, from, state.cursor_line() - 1)
+                    .await
+                    .unwrap_or_else(|_| state.last_lines(EVIDENCE_LINES));
+                let skip = output.len().saturating_sub(EVIDENCE_LINES);
+                return TurnEnd::Completed {
+                    output: output.into_iter().skip(skip).collect(),
+                };
+            }
+            if Instant::now() >= deadline {
+                return TurnEnd::Failed {
+                    reason: reason::TURN_TIMEOUT,
+                    detail: format!("no ready prompt within {timeout:?}"),
+                    output: state.last_lines(EVIDENCE_LINES),
+                };
+            }
+            backoff.wait().await;
+        }
+    }
+}
+
+fn conversation_from(state: &PaneState) -> Option<ConversationId> {
+    state.screen.iter().find_map(|l| {
+        l.strip_prefix("conversation: ")
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|id| id.parse().ok())
+    })
+}
+
+impl Adapter for MockAdapter {
+    fn ensure_ready<'a>(
+        &'a self,
+        spec: &'a SessionSpec,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Ready, Unavailable>> {
+        Box::pin(async move {
+            let name = spec.id.as_str();
+            let deadline = Instant::now() + timeout;
+            let alive = match self.tmux.pane_state(name).await {
+                Ok(s) if is_ready(&s) => {
+                    return Ok(Ready {
+                        conversation: conversation_from(&s).or_else(|| spec.conversation.clone()),
+                        launched: false,
+                    })
+                }
+                Ok(s) => !s.dead,
+                Err(_) => false,
+            };
+            if alive {
+                // Still busy with something: give it until the deadline, never type over it.
+                let state = self.wait_ready(name, deadline).await?;
+                return Ok(Ready {
+                    conversation: conversation_from(&state).or_else(|| spec.conversation.clone()),
+                    launched: false,
+                });
+            }
+            self.launch(spec).await?;
+            let state = self.wait_ready(name, deadline).await?;
+            Ok(Ready {
+                conversation: conversation_from(&state).or_else(|| spec.conversation.clone()),
+                launched: true,
+            })
+        })
+    }
+
+    fn run_turn<'a>(
+        &'a self,
+        spec: &'a SessionSpec,
+        text: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, TurnEnd> {
+        Box::pin(async move {
+            let name = spec.id.as_str();
+            let before = match self.tmux.pane_state(name).await {
+                Ok(s) if is_ready(&s) => s,
+                Ok(s) => {
+                    return TurnEnd::Failed {
+                        reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
+                        detail: format!("terminal {name} is not at a ready prompt"),
+                        output: s.last_lines(EVIDENCE_LINES),
+                    }
+                }
+                Err(e) => {
+                    return TurnEnd::Failed {
+                        reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
+                        detail: format!("terminal {name}: {e}"),
+                        output: Vec::new(),
+                    }
+                }
+            };
+            let typed_line = before.cursor_line();
+            let buffer = format!("turn-{}", uuid::Uuid::new_v4().simple());
+            let typed = async {
+                self.tmux.paste(name, &buffer, text).await?;
+                self.tmux.send_enter(name).await
+            };
+            if let Err(e) = typed.await {
+                return TurnEnd::Failed {
+                    reason: reason::TRANSPORT_ERROR,
+                    detail: format!("type into terminal {name}: {e}"),
+                    output: before.last_lines(EVIDENCE_LINES),
+                };
+            }
+            self.wait_turn_end(name, Some(typed_line), timeout).await
+        })
+    }
+
+    fn await_turn<'a>(
+        &'a self,
+        spec: &'a SessionSpec,
+        timeout: Duration,
+    ) -> BoxFuture<'a, TurnEnd> {
+        Box::pin(async move { self.wait_turn_end(spec.id.as_str(), None, timeout).await })
+    }
+
+    fn stop<'a>(&'a self, spec: &'a SessionSpec) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if let Err(e) = self.tmux.kill_session(spec.id.as_str()).await {
+                tracing::debug!(session = %spec.id, error = %e, "kill terminal");
+            }
+        })
+    }
+}
