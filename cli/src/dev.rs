@@ -46,7 +46,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
     let mut lane = turnstile_session_lane::Config::new(url.clone());
     lane.replica = "dev".to_string();
     let host: HostName = "local".parse().context("host name")?;
-    let mut transport = turnstile_transport_agent::Config::new(url.clone(), host, data_dir.join("transport-local"));
+    let mut transport =
+        turnstile_transport_agent::Config::new(url.clone(), host, data_dir.join("transport-local"));
     transport.mock_state_dir = data_dir.join("mock-agent");
     if let Ok(exe) = std::env::current_exe() {
         transport.agent_bin = exe;
@@ -76,13 +77,27 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
         }
     });
 
-    let client = async_nats::connect(&url).await.context("connect to local NATS")?;
-    println!("services: session-lane, transport-agent (host local), notification-broker, scheduler");
+    let client = async_nats::connect(&url)
+        .await
+        .context("connect to local NATS")?;
+    // Provision here too, so the event printer can open its stream before any service is up.
+    let js = async_nats::jetstream::new(client.clone());
+    turnstile_shared::topology::provision(&js, &Default::default())
+        .await
+        .context("provision the topology")?;
+    println!(
+        "services: session-lane, transport-agent (host local), notification-broker, scheduler"
+    );
     println!("events (also: turnstile events --nats {url}):");
     let printer = tokio::spawn({
         let client = client.clone();
         async move {
-            let args = EventsArgs { session: None, replay: false, no_follow: false, json: false };
+            let args = EventsArgs {
+                session: None,
+                replay: false,
+                no_follow: false,
+                json: false,
+            };
             if let Err(e) = events::follow(&client, &args, &mut std::io::stdout()).await {
                 eprintln!("events: {e:#}");
             }
@@ -97,38 +112,69 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
     shutdown.cancelled().await;
     printer.abort();
     let _ = tokio::time::timeout(Duration::from_secs(15), services).await;
+    // In production agents outlive their transport; in dev, Ctrl-C ends the whole stack.
+    let _ = tokio::process::Command::new("tmux")
+        .arg("-S")
+        .arg(data_dir.join("transport-local/tmux.sock"))
+        .arg("kill-server")
+        .stderr(Stdio::null())
+        .status()
+        .await;
     let _ = nats.kill().await;
     Ok(ExitCode::SUCCESS)
 }
 
 async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
-    let create = CreateSession { agent: AgentKind::Mock, name: "demo".into(), host: None, cwd: None };
+    let create = CreateSession {
+        agent: AgentKind::Mock,
+        name: "demo".into(),
+        host: None,
+        cwd: None,
+    };
     // The transport's first heartbeat may not be in yet.
     let mut session: Option<SessionRecord> = None;
     for _ in 0..100 {
-        match api::call::<_, SessionRecord>(client, subj::SESSION_CREATE, &create, Duration::from_secs(5)).await {
+        match api::call::<_, SessionRecord>(
+            client,
+            subj::SESSION_CREATE,
+            &create,
+            Duration::from_secs(5),
+        )
+        .await
+        {
             Ok(s) => {
                 session = Some(s);
                 break;
             }
-            Err(ApiError { code, .. }) if code == "no_host" || code == "timeout" || code == "unavailable" => {
+            Err(ApiError { code, .. })
+                if code == "no_host" || code == "timeout" || code == "unavailable" =>
+            {
                 tokio::time::sleep(Duration::from_millis(100)).await
             }
             Err(e) => return Err(e.into()),
         }
     }
-    let Some(session) = session else { bail!("no transport host came up") };
+    let Some(session) = session else {
+        bail!("no transport host came up")
+    };
     for text in DEMO {
-        let req = SendTurn { session: session.id.clone(), text: text.to_string(), turn: None };
-        let _: TurnRecord = api::call(client, subj::SESSION_SEND, &req, Duration::from_secs(5)).await?;
+        let req = SendTurn {
+            session: session.id.clone(),
+            text: text.to_string(),
+            turn: None,
+        };
+        let _: TurnRecord =
+            api::call(client, subj::SESSION_SEND, &req, Duration::from_secs(5)).await?;
     }
     Ok(())
 }
 
 /// nats-server from PATH or `.tools/bin`, on `port`, its store under `data_dir`.
 async fn start_nats(data_dir: &Path, port: u16) -> anyhow::Result<tokio::process::Child> {
-    let bin = find_nats_server().context("no nats-server found: run scripts/install-nats-server.sh")?;
-    let log = std::fs::File::create(data_dir.join("nats-server.log")).context("create nats-server.log")?;
+    let bin =
+        find_nats_server().context("no nats-server found: run scripts/install-nats-server.sh")?;
+    let log = std::fs::File::create(data_dir.join("nats-server.log"))
+        .context("create nats-server.log")?;
     let mut child = tokio::process::Command::new(&bin)
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
         .arg(data_dir.join("nats"))
@@ -140,9 +186,15 @@ async fn start_nats(data_dir: &Path, port: u16) -> anyhow::Result<tokio::process
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         if let Some(status) = child.try_wait()? {
-            bail!("nats-server exited ({status}); see {}", data_dir.join("nats-server.log").display());
+            bail!(
+                "nats-server exited ({status}); see {}",
+                data_dir.join("nats-server.log").display()
+            );
         }
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
             return Ok(child);
         }
         if tokio::time::Instant::now() > deadline {

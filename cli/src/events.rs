@@ -86,7 +86,12 @@ pub async fn follow(
 /// `12:00:01.250  ses_…  trn_…  turn.completed  details`.
 pub fn human(env: &Envelope) -> String {
     let d = &env.data;
-    let s = |k: &str| d.get(k).and_then(|v| v.as_str()).unwrap_or_default().to_string();
+    let s = |k: &str| {
+        d.get(k)
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string()
+    };
     let detail = match env.kind.as_str() {
         "session.created" => format!("{} agent={} host={}", s("name"), s("agent"), s("host")),
         "turn.queued" => format!("{:?}", first_line(&s("text"))),
@@ -94,7 +99,11 @@ pub fn human(env: &Envelope) -> String {
         "turn.completed" => d
             .get("output")
             .and_then(|o| o.as_array())
-            .and_then(|o| o.iter().rev().find_map(|l| l.as_str().filter(|l| !l.trim().is_empty())))
+            .and_then(|o| {
+                o.iter()
+                    .rev()
+                    .find_map(|l| l.as_str().filter(|l| !l.trim().is_empty()))
+            })
             .map(|l| format!("{:?}", first_line(l)))
             .unwrap_or_default(),
         "turn.failed" => format!("{}: {}", s("reason"), s("detail")),
@@ -106,7 +115,11 @@ pub fn human(env: &Envelope) -> String {
     format!(
         "{}  {:<36}  {:<36}  {:<15} {}",
         env.at.format("%H:%M:%S%.3f"),
-        id(env.session.as_ref().map(|s| s.to_string()).or(env.host.as_ref().map(|h| format!("host {h}")))),
+        id(env
+            .session
+            .as_ref()
+            .map(|s| s.to_string())
+            .or(env.host.as_ref().map(|h| format!("host {h}")))),
         id(env.turn.as_ref().map(|t| t.to_string())),
         env.kind,
         detail
@@ -114,5 +127,10 @@ pub fn human(env: &Envelope) -> String {
 }
 
 fn first_line(s: &str) -> String {
-    s.lines().next().unwrap_or_default().chars().take(70).collect()
+    s.lines()
+        .next()
+        .unwrap_or_default()
+        .chars()
+        .take(70)
+        .collect()
 }

@@ -12,7 +12,11 @@ use clap::{Parser, Subcommand};
 use turnstile_shared::config::NatsArgs;
 
 #[derive(Parser)]
-#[command(name = "turnstile", version, about = "Run coding-agent sessions unattended")]
+#[command(
+    name = "turnstile",
+    version,
+    about = "Run coding-agent sessions unattended"
+)]
 struct Cli {
     #[command(flatten)]
     nats: NatsArgs,
@@ -32,7 +36,11 @@ enum Command {
     /// An interactive fake coding-agent CLI, for tests and demos.
     MockAgent {
         /// Where conversations are kept (one JSONL transcript each).
-        #[arg(long, env = "TURNSTILE_MOCK_STATE_DIR", default_value = ".data/mock-agent")]
+        #[arg(
+            long,
+            env = "TURNSTILE_MOCK_STATE_DIR",
+            default_value = ".data/mock-agent"
+        )]
         state_dir: PathBuf,
         /// Continue an earlier conversation.
         #[arg(long)]

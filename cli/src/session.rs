@@ -83,7 +83,8 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
                 host,
                 cwd: cwd.map(|p| p.to_string_lossy().into_owned()),
             };
-            let rec: SessionRecord = api::call(&client, subj::SESSION_CREATE, &req, API_TIMEOUT).await?;
+            let rec: SessionRecord =
+                api::call(&client, subj::SESSION_CREATE, &req, API_TIMEOUT).await?;
             if json {
                 println!("{}", serde_json::to_string(&rec)?);
             } else {
@@ -91,23 +92,42 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
             }
         }
         SessionCommand::List { json } => {
-            let views: Vec<SessionView> =
-                api::call(&client, subj::SESSION_LIST, &ListSessions::default(), API_TIMEOUT).await?;
+            let views: Vec<SessionView> = api::call(
+                &client,
+                subj::SESSION_LIST,
+                &ListSessions::default(),
+                API_TIMEOUT,
+            )
+            .await?;
             if json {
                 println!("{}", serde_json::to_string(&views)?);
             } else {
-                println!("{:<36} {:<16} {:<8} {:<12} {:<8} {:>6}  transport", "SESSION", "NAME", "AGENT", "HOST", "STATE", "QUEUED");
+                println!(
+                    "{:<36} {:<16} {:<8} {:<12} {:<8} {:>6}  transport",
+                    "SESSION", "NAME", "AGENT", "HOST", "STATE", "QUEUED"
+                );
                 for v in &views {
                     println!(
                         "{:<36} {:<16} {:<8} {:<12} {:<8} {:>6}  {}",
-                        v.session.id, v.session.name, v.session.agent, v.session.host, state(v), v.queued, v.transport
+                        v.session.id,
+                        v.session.name,
+                        v.session.agent,
+                        v.session.host,
+                        state(v),
+                        v.queued,
+                        v.transport
                     );
                 }
             }
         }
         SessionCommand::Show { id, json } => {
-            let v: SessionView =
-                api::call(&client, subj::SESSION_SHOW, &SessionRef { session: id }, API_TIMEOUT).await?;
+            let v: SessionView = api::call(
+                &client,
+                subj::SESSION_SHOW,
+                &SessionRef { session: id },
+                API_TIMEOUT,
+            )
+            .await?;
             if json {
                 println!("{}", serde_json::to_string(&v)?);
             } else {
@@ -122,8 +142,13 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
             json,
         } => return send(&client, id, text, wait, timeout, json).await,
         SessionCommand::Stop { id, json } => {
-            let rec: SessionRecord =
-                api::call(&client, subj::SESSION_STOP, &SessionRef { session: id }, API_TIMEOUT).await?;
+            let rec: SessionRecord = api::call(
+                &client,
+                subj::SESSION_STOP,
+                &SessionRef { session: id },
+                API_TIMEOUT,
+            )
+            .await?;
             if json {
                 println!("{}", serde_json::to_string(&rec)?);
             } else {
@@ -151,7 +176,12 @@ fn print_view(v: &SessionView) {
         println!("conversation {c}");
     }
     match &v.in_flight {
-        Some(t) => println!("state      busy: {} {} {:?}", t.id, t.state.name(), first_line(&t.text)),
+        Some(t) => println!(
+            "state      busy: {} {} {:?}",
+            t.id,
+            t.state.name(),
+            first_line(&t.text)
+        ),
         None => println!("state      {}", state(v)),
     }
     println!("queued     {}", v.queued);
@@ -178,7 +208,11 @@ async fn send(
             .get_key_value(subjects::TURNS_BUCKET)
             .await
             .context("open turns bucket")?;
-        Some(kv.watch_with_history(turn.as_str()).await.context("watch turn")?)
+        Some(
+            kv.watch_with_history(turn.as_str())
+                .await
+                .context("watch turn")?,
+        )
     } else {
         None
     };
@@ -230,7 +264,12 @@ async fn send(
             }
             Ok(ExitCode::SUCCESS)
         }
-        TurnState::Failed { reason, detail, output, .. } => {
+        TurnState::Failed {
+            reason,
+            detail,
+            output,
+            ..
+        } => {
             if !json {
                 println!("{} failed: {reason}: {detail}", rec.id);
                 for l in output {

@@ -107,7 +107,12 @@ async fn spec_for(ctx: &Ctx, session: &SessionId) -> Option<(SessionSpec, bool)>
             return Some((spec.clone(), true));
         }
     }
-    let record = match ctx.buckets.sessions.get::<SessionRecord>(session.as_str()).await {
+    let record = match ctx
+        .buckets
+        .sessions
+        .get::<SessionRecord>(session.as_str())
+        .await
+    {
         Ok(Some((r, _))) => r,
         Ok(None) => return None,
         Err(e) => {
@@ -136,7 +141,10 @@ fn adapter(ctx: &Ctx, spec: &SessionSpec) -> Option<Arc<dyn Adapter>> {
 }
 
 fn is_stopped(ctx: &Ctx, session: &SessionId) -> bool {
-    ctx.stopped.lock().map(|s| s.contains(session)).unwrap_or(false)
+    ctx.stopped
+        .lock()
+        .map(|s| s.contains(session))
+        .unwrap_or(false)
 }
 
 /// Launches (or resumes) the agent if needed; one launch per session at a time.
@@ -144,7 +152,10 @@ async fn ensure_ready(ctx: &Ctx, spec: &SessionSpec) -> Result<(), TurnEnd> {
     let Some(adapter) = adapter(ctx, spec) else {
         return Err(TurnEnd::Failed {
             reason: reason::TRANSPORT_ERROR,
-            detail: format!("host {} has no adapter for agent {}", ctx.config.host, spec.agent),
+            detail: format!(
+                "host {} has no adapter for agent {}",
+                ctx.config.host, spec.agent
+            ),
             output: Vec::new(),
         });
     };
@@ -286,7 +297,9 @@ async fn handle_turn(ctx: &Ctx, msg: jetstream::Message, cmd: TurnCommand) {
         }
         Err(e) => {
             tracing::warn!(turn = %cmd.turn, error = %e, "turn command; will retry");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_millis(500)))).await;
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+                .await;
         }
     }
 }
@@ -315,13 +328,34 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
         return Ok(());
     }
     let Some((spec, active)) = spec_for(ctx, &cmd.session).await else {
-        return record_end(ctx, &record, failed(reason::TRANSPORT_ERROR, format!("no session {}", cmd.session))).await;
+        return record_end(
+            ctx,
+            &record,
+            failed(
+                reason::TRANSPORT_ERROR,
+                format!("no session {}", cmd.session),
+            ),
+        )
+        .await;
     };
     if !active || is_stopped(ctx, &cmd.session) {
-        return record_end(ctx, &record, failed(reason::SESSION_STOPPED, "the session is stopped".into())).await;
+        return record_end(
+            ctx,
+            &record,
+            failed(reason::SESSION_STOPPED, "the session is stopped".into()),
+        )
+        .await;
     }
     let Some(adapter) = adapter(ctx, &spec) else {
-        return record_end(ctx, &record, failed(reason::TRANSPORT_ERROR, format!("no adapter for agent {}", spec.agent))).await;
+        return record_end(
+            ctx,
+            &record,
+            failed(
+                reason::TRANSPORT_ERROR,
+                format!("no adapter for agent {}", spec.agent),
+            ),
+        )
+        .await;
     };
     let end = match &record.state {
         // Typed by an earlier run of this transport: watch it to its end, never type again.
@@ -337,7 +371,13 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
                 },
                 ..record.clone()
             };
-            if ctx.buckets.turns.update(key, &running, revision).await?.is_none() {
+            if ctx
+                .buckets
+                .turns
+                .update(key, &running, revision)
+                .await?
+                .is_none()
+            {
                 // Someone else moved the turn on; start over from what is recorded now.
                 return Err(turnstile_shared::kv::KvError::Contended {
                     bucket: subjects::TURNS_BUCKET.to_string(),
@@ -345,7 +385,9 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
                     attempts: 1,
                 });
             }
-            adapter.run_turn(&spec, &cmd.text, ctx.config.turn_timeout).await
+            adapter
+                .run_turn(&spec, &cmd.text, ctx.config.turn_timeout)
+                .await
         }
     };
     let end = match end {

@@ -76,10 +76,7 @@ pub enum Error {
     #[error(transparent)]
     Topology(#[from] topology::TopologyError),
     #[error("prepare data dir {dir}: {source}")]
-    DataDir {
-        dir: String,
-        source: std::io::Error,
-    },
+    DataDir { dir: String, source: std::io::Error },
 }
 
 pub(crate) struct Ctx {
@@ -102,15 +99,13 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     };
     std::fs::create_dir_all(&config.mock_state_dir).map_err(dir_err)?;
     let tmux = tmux::Tmux::new(&config.data_dir).map_err(dir_err)?;
-    let client = turnstile_shared::config::connect(
-        &config.nats_url,
-        &format!("transport-{}", config.host),
-    )
-    .await
-    .map_err(|source| Error::Connect {
-        url: config.nats_url.clone(),
-        source,
-    })?;
+    let client =
+        turnstile_shared::config::connect(&config.nats_url, &format!("transport-{}", config.host))
+            .await
+            .map_err(|source| Error::Connect {
+                url: config.nats_url.clone(),
+                source,
+            })?;
     let js = async_nats::jetstream::new(client.clone());
     let buckets = topology::provision(&js, &config.topology).await?;
     let mut adapters: HashMap<AgentKind, Arc<dyn Adapter>> = HashMap::new();

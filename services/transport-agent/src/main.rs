@@ -9,7 +9,11 @@ use turnstile_shared::config::{parse_duration, NatsArgs, TopologyArgs};
 use turnstile_shared::HostName;
 
 #[derive(Parser)]
-#[command(name = "turnstile-transport-agent", version, about = "Turnstile transport agent for one host")]
+#[command(
+    name = "turnstile-transport-agent",
+    version,
+    about = "Turnstile transport agent for one host"
+)]
 struct Args {
     #[command(flatten)]
     nats: NatsArgs,

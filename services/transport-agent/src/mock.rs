@@ -94,7 +94,9 @@ impl MockAdapter {
                 return Err(Unavailable {
                     detail: format!(
                         "agent in terminal {name} exited (status {})",
-                        state.dead_status.map_or("unknown".into(), |s| s.to_string())
+                        state
+                            .dead_status
+                            .map_or("unknown".into(), |s| s.to_string())
                     ),
                     last_lines: state.last_lines(EVIDENCE_LINES),
                 });
@@ -110,7 +112,12 @@ impl MockAdapter {
     }
 
     /// Waits for the end of a turn typed at absolute line `typed_line` (None: any prompt).
-    async fn wait_turn_end(&self, name: &str, typed_line: Option<i64>, timeout: Duration) -> TurnEnd {
+    async fn wait_turn_end(
+        &self,
+        name: &str,
+        typed_line: Option<i64>,
+        timeout: Duration,
+    ) -> TurnEnd {
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff::new();
         loop {
@@ -129,7 +136,9 @@ impl MockAdapter {
                     reason: reason::AGENT_EXITED,
                     detail: format!(
                         "agent exited during the turn (status {})",
-                        state.dead_status.map_or("unknown".into(), |s| s.to_string())
+                        state
+                            .dead_status
+                            .map_or("unknown".into(), |s| s.to_string())
                     ),
                     output: state.last_lines(EVIDENCE_LINES),
                 };

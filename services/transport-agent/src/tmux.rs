@@ -10,7 +10,10 @@ use tokio::process::Command;
 #[derive(Debug, thiserror::Error)]
 pub enum TmuxError {
     #[error("run tmux {args}: {source}")]
-    Spawn { args: String, source: std::io::Error },
+    Spawn {
+        args: String,
+        source: std::io::Error,
+    },
     #[error("tmux {args} failed: {stderr}")]
     Failed { args: String, stderr: String },
     #[error("unexpected tmux output for {what}: {output:?}")]
@@ -136,7 +139,16 @@ impl Tmux {
     ) -> Result<(), TmuxError> {
         let cwd = cwd.to_string_lossy();
         let mut args = vec![
-            "new-session", "-d", "-s", name, "-x", "200", "-y", "50", "-c", &cwd,
+            "new-session",
+            "-d",
+            "-s",
+            name,
+            "-x",
+            "200",
+            "-y",
+            "50",
+            "-c",
+            &cwd,
         ];
         let pairs: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         for p in &pairs {
@@ -204,7 +216,17 @@ impl Tmux {
         let end = (to - state.history_size).to_string();
         let out = self
             .run(
-                &["capture-pane", "-p", "-J", "-t", &pane(name), "-S", &start, "-E", &end],
+                &[
+                    "capture-pane",
+                    "-p",
+                    "-J",
+                    "-t",
+                    &pane(name),
+                    "-S",
+                    &start,
+                    "-E",
+                    &end,
+                ],
                 None,
             )
             .await?;

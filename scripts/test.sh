@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: installs what is missing, then fmt, clippy, every test.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+scripts/install-nats-server.sh
+export NATS_SERVER_BIN="$PWD/.tools/bin/nats-server"
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+# Integration tests spawn the service binaries as real processes (to SIGKILL them).
+cargo build --workspace --bins
+cargo test --workspace -- --test-threads "${TEST_THREADS:-2}"

@@ -1,0 +1,93 @@
+//! R15: malformed lane items are refused with a clear reason, and the lane keeps serving.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use turnstile_shared::records::TurnState;
+use turnstile_shared::subjects;
+
+use crate::stack::{report, Stack};
+
+/// Acceptance 5.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_unknown_version_lane_items_are_refused_and_the_lane_goes_on() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = bad_items(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn bad_items(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("target", None).await?;
+    let other = stack.create_session("bystander", None).await?;
+    let lane = subjects::lane(&s);
+    stack
+        .js
+        .publish(lane.clone(), "{not json".into())
+        .await?
+        .await?;
+    let future = serde_json::json!({
+        "v": 99, "id": "x", "type": "lane.turn", "at": "2026-11-29T00:00:00.000Z",
+        "session": s.to_string(), "data": { "turn": "trn_x", "text": "from the future" }
+    });
+    stack
+        .js
+        .publish(lane.clone(), serde_json::to_vec(&future)?.into())
+        .await?
+        .await?;
+    let good = stack.send(&s, "after the bad ones").await?;
+    let by = stack.send(&other, "unaffected").await?;
+    for t in [&good, &by] {
+        let rec = stack.wait_turn(t, Duration::from_secs(30)).await?;
+        ensure!(
+            matches!(rec.state, TurnState::Completed { .. }),
+            "{t}: {:?}",
+            rec.state
+        );
+    }
+    let events = stack.events().await?;
+    let rejected: Vec<String> = events
+        .iter()
+        .filter(|e| e.kind == "lane.rejected" && e.session.as_ref() == Some(&s))
+        .map(|e| e.data["reason"].as_str().unwrap_or_default().to_string())
+        .collect();
+    ensure!(
+        rejected.len() == 2,
+        "expected two lane.rejected events, got {rejected:?}"
+    );
+    ensure!(
+        rejected[0].contains("not a JSON"),
+        "reason: {}",
+        rejected[0]
+    );
+    ensure!(
+        rejected[1].contains("version 99 is not supported"),
+        "reason: {}",
+        rejected[1]
+    );
+    // Both are kept on the dead-letter subject with the reason in a header.
+    let dlq = stack.js.get_stream(subjects::DEADLETTER_STREAM).await?;
+    let first = dlq
+        .direct_get_first_for_subject(subjects::lane_deadletter(&s))
+        .await
+        .context("first dead letter")?;
+    let reason = first
+        .headers
+        .get(subjects::REASON_HEADER)
+        .map(|v| v.to_string())
+        .unwrap_or_default();
+    ensure!(
+        reason.contains("not a JSON"),
+        "dead-letter reason header: {reason:?}"
+    );
+    ensure!(
+        &first.payload[..] == b"{not json",
+        "dead letter keeps the payload"
+    );
+    // The service that refused them is still up.
+    let lane_proc = stack.lanes.get_mut("a").context("replica a")?;
+    ensure!(
+        lane_proc.try_exit_status()?.is_none(),
+        "session-lane exited"
+    );
+    Ok(())
+}

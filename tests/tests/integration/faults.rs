@@ -1,0 +1,163 @@
+//! R14: services and nats-server are SIGKILLed mid-work; no turn is typed twice or lost.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use turnstile_shared::records::TurnState;
+use turnstile_shared::TurnId;
+
+use crate::stack::{count, report, serial_turns, Stack};
+
+const LONG: Duration = Duration::from_secs(60);
+
+async fn all_complete(stack: &Stack, turns: &[TurnId]) -> Result<()> {
+    for t in turns {
+        let rec = stack.wait_turn(t, LONG).await?;
+        ensure!(
+            matches!(rec.state, TurnState::Completed { .. }),
+            "{t}: {:?}",
+            rec.state
+        );
+    }
+    Ok(())
+}
+
+/// Acceptance 2: session-lane SIGKILLed while a turn runs, then started again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_lane_killed_mid_turn_neither_retypes_nor_loses_it() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = lane_killed(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn lane_killed(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("victim", None).await?;
+    let texts = ["first, slow\n!sleep 3s", "second", "third"];
+    let mut turns = Vec::new();
+    for t in texts {
+        turns.push(stack.send(&s, t).await?);
+    }
+    stack
+        .wait_turn_state(&turns[0], Duration::from_secs(20), |r| {
+            matches!(r.state, TurnState::Running { .. })
+        })
+        .await?;
+    stack
+        .lanes
+        .get_mut("a")
+        .context("replica a")?
+        .kill()
+        .await?;
+    stack.spawn_lane("a2")?;
+    all_complete(stack, &turns).await?;
+    let transcript = stack.transcript(&s).await?;
+    for t in texts {
+        ensure!(
+            count(&transcript, t) == 1,
+            "{t:?} not exactly once in {transcript:?}"
+        );
+    }
+    ensure!(transcript.len() == 3, "transcript: {transcript:?}");
+    let order = serial_turns(&stack.events().await?, &s)?;
+    ensure!(order == turns, "ran {order:?}, sent {turns:?}");
+    Ok(())
+}
+
+/// Acceptance 3: nats-server SIGKILLed and restarted on its store with messages queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_restart_with_queued_messages_loses_none() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = nats_killed(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn nats_killed(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("survivor", None).await?;
+    let texts = ["one\n!sleep 2s", "two", "three", "four"];
+    let mut turns = Vec::new();
+    for t in texts {
+        turns.push(stack.send(&s, t).await?);
+    }
+    stack
+        .wait_turn_state(&turns[0], Duration::from_secs(20), |r| {
+            matches!(r.state, TurnState::Running { .. })
+        })
+        .await?;
+    stack.nats.kill().await?;
+    stack.nats.restart().await?;
+    all_complete(stack, &turns).await?;
+    let transcript = stack.transcript(&s).await?;
+    for t in texts {
+        ensure!(
+            count(&transcript, t) == 1,
+            "{t:?} not exactly once in {transcript:?}"
+        );
+    }
+    Ok(())
+}
+
+/// Acceptance 4: two replicas; one serves the session, and its death moves the lane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_serving_replica_moves_the_lane_to_the_other() -> Result<()> {
+    let mut stack = Stack::start(&["a", "b"], &["h1"]).await?;
+    let r = failover(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn failover(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("moving", None).await?;
+    let texts: Vec<String> = (0..6).map(|i| format!("step {i}\n!sleep 400ms")).collect();
+    let mut turns = Vec::new();
+    for t in &texts {
+        turns.push(stack.send(&s, t).await?);
+    }
+    stack
+        .wait_turn_state(&turns[1], Duration::from_secs(20), |r| {
+            matches!(r.state, TurnState::Running { .. })
+        })
+        .await?;
+    let before = stack.events().await?;
+    let servers: Vec<String> = before
+        .iter()
+        .filter(|e| e.kind == "turn.started" && e.session.as_ref() == Some(&s))
+        .map(|e| e.data["replica"].as_str().unwrap_or_default().to_string())
+        .collect();
+    ensure!(
+        servers.len() >= 2,
+        "expected two started turns, got {servers:?}"
+    );
+    ensure!(
+        servers.iter().all(|r| *r == servers[0]),
+        "one session served by several replicas: {servers:?}"
+    );
+    let serving = servers[0].clone();
+    let other = if serving == "a" { "b" } else { "a" };
+    stack
+        .lanes
+        .get_mut(&serving)
+        .context("serving replica")?
+        .kill()
+        .await?;
+    all_complete(stack, &turns).await?;
+    let events = stack.events().await?;
+    let order = serial_turns(&events, &s)?;
+    ensure!(order == turns, "ran {order:?}, sent {turns:?}");
+    let last = events
+        .iter()
+        .rev()
+        .find(|e| e.kind == "turn.started" && e.session.as_ref() == Some(&s))
+        .context("a started turn")?;
+    ensure!(
+        last.data["replica"] == other,
+        "last turn served by {}, expected {other}",
+        last.data["replica"]
+    );
+    let transcript = stack.transcript(&s).await?;
+    for t in &texts {
+        ensure!(
+            count(&transcript, t) == 1,
+            "{t:?} not exactly once in {transcript:?}"
+        );
+    }
+    Ok(())
+}

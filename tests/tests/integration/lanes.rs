@@ -1,0 +1,119 @@
+//! Lanes serve each session one turn at a time, in send order (R1, R2), and occupancy shown
+//! to operators is read off the lane itself.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+use turnstile_shared::records::TurnState;
+
+use crate::stack::{count, report, serial_turns, Stack};
+
+/// Acceptance 1: three sessions, five messages each, sent at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_sessions_run_their_turns_one_at_a_time_in_send_order() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = three_sessions(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn three_sessions(stack: &mut Stack) -> Result<()> {
+    let mut sessions = Vec::new();
+    for i in 0..3 {
+        sessions.push(stack.create_session(&format!("s{i}"), None).await?);
+    }
+    // The three sessions' messages go out concurrently; within a session, in order.
+    let sends = sessions.iter().enumerate().map(|(i, s)| {
+        let stack = &*stack;
+        async move {
+            let mut turns = Vec::new();
+            for j in 0..5 {
+                let text = format!("session {i} message {j}\n!sleep 150ms\n!reply done {i}.{j}");
+                turns.push((stack.send(s, &text).await?, text));
+            }
+            Ok::<_, anyhow::Error>(turns)
+        }
+    });
+    let sent: Vec<_> = futures::future::try_join_all(sends).await?;
+    for turns in &sent {
+        for (t, _) in turns {
+            let rec = stack.wait_turn(t, Duration::from_secs(60)).await?;
+            ensure!(
+                matches!(rec.state, TurnState::Completed { .. }),
+                "turn {t} did not complete: {:?}",
+                rec.state
+            );
+        }
+    }
+    let events = stack.events().await?;
+    for (s, turns) in sessions.iter().zip(&sent) {
+        let order = serial_turns(&events, s)?;
+        let sent_order: Vec<_> = turns.iter().map(|(t, _)| t.clone()).collect();
+        ensure!(
+            order == sent_order,
+            "session {s} ran {order:?}, sent {sent_order:?}"
+        );
+        let transcript = stack.transcript(s).await?;
+        ensure!(
+            transcript.len() == 5,
+            "session {s} transcript: {transcript:?}"
+        );
+        for (_, text) in turns {
+            ensure!(
+                count(&transcript, text) == 1,
+                "{text:?} not exactly once in {transcript:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// R1/R2: `busy`, the item in flight and the queued count come from the lane consumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_show_reads_occupancy_off_the_lane() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = occupancy(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn occupancy(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("busy", None).await?;
+    let idle = stack.show(&s).await?;
+    ensure!(
+        !idle.busy && idle.queued == 0,
+        "fresh session not idle: {idle:?}"
+    );
+    let long = stack.send(&s, "long one\n!sleep 3s").await?;
+    let q1 = stack.send(&s, "queued one").await?;
+    let q2 = stack.send(&s, "queued two").await?;
+    stack
+        .wait_turn_state(&long, Duration::from_secs(20), |r| {
+            matches!(r.state, TurnState::Running { .. })
+        })
+        .await?;
+    let view = stack.show(&s).await?;
+    ensure!(
+        view.busy,
+        "session with a turn in flight shown idle: {view:?}"
+    );
+    ensure!(view.queued == 2, "expected 2 queued, got {}", view.queued);
+    ensure!(
+        view.in_flight.as_ref().map(|t| &t.id) == Some(&long),
+        "in-flight item should be {long}: {:?}",
+        view.in_flight
+    );
+    // Waiting items are queued, never running (R2).
+    for q in [&q1, &q2] {
+        let rec = stack.turn(q).await?;
+        ensure!(
+            matches!(rec.as_ref().map(|r| &r.state), Some(TurnState::Queued)),
+            "{q} should be queued: {rec:?}"
+        );
+    }
+    stack.wait_turn(&q2, Duration::from_secs(30)).await?;
+    let done = stack.show(&s).await?;
+    ensure!(
+        !done.busy && done.queued == 0,
+        "drained session not idle: {done:?}"
+    );
+    Ok(())
+}

@@ -1,0 +1,316 @@
+//! A whole Turnstile deployment for one test: nats-server, session-lane replicas and transport
+//! agents as child processes, plus typed helpers for the API, events and mock transcripts.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use turnstile_shared::api::{self, CreateSession, SendTurn, SessionRef, SessionView};
+use turnstile_shared::envelope::Envelope;
+use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord};
+use turnstile_shared::subjects::{self, api as subj};
+use turnstile_shared::{SessionId, TurnId};
+use turnstile_tests::{bin_path, wait_until, NatsServer, ServiceProcess};
+
+pub const API: Duration = Duration::from_secs(10);
+
+pub struct Stack {
+    pub nats: NatsServer,
+    pub dir: tempfile::TempDir,
+    pub lanes: HashMap<String, ServiceProcess>,
+    pub transports: HashMap<String, ServiceProcess>,
+    pub client: async_nats::Client,
+    pub js: async_nats::jetstream::Context,
+}
+
+impl Stack {
+    /// nats-server, the given session-lane replicas and transport hosts.
+    pub async fn start(replicas: &[&str], hosts: &[&str]) -> Result<Stack> {
+        turnstile_tests::init_tracing();
+        let nats = NatsServer::start().await?;
+        let client = nats.client().await?;
+        let js = async_nats::jetstream::new(client.clone());
+        let mut stack = Stack {
+            nats,
+            dir: tempfile::Builder::new().prefix("ts-it-").tempdir()?,
+            lanes: HashMap::new(),
+            transports: HashMap::new(),
+            client,
+            js,
+        };
+        for r in replicas {
+            stack.spawn_lane(r)?;
+        }
+        for h in hosts {
+            stack.spawn_transport(h)?;
+        }
+        Ok(stack)
+    }
+
+    /// Short timings so fail-over takes seconds in tests (production defaults are 30 s).
+    fn env(&self) -> Vec<(String, String)> {
+        [
+            ("TURNSTILE_NATS_URL", self.nats.url()),
+            ("TURNSTILE_LANE_ACK_WAIT", "2s".to_string()),
+            ("TURNSTILE_LANE_PIN_TTL", "2s".to_string()),
+            ("TURNSTILE_TRANSPORT_ACK_WAIT", "2s".to_string()),
+            ("TURNSTILE_HOST_TTL", "3s".to_string()),
+            ("RUST_LOG", "info,async_nats=warn".to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    pub fn spawn_lane(&mut self, replica: &str) -> Result<()> {
+        let p = ServiceProcess::spawn_in(
+            self.dir.path(),
+            "turnstile-session-lane",
+            &["--replica".to_string(), replica.to_string()],
+            &self.env(),
+            &format!("lane-{replica}"),
+        )?;
+        self.lanes.insert(replica.to_string(), p);
+        Ok(())
+    }
+
+    pub fn spawn_transport(&mut self, host: &str) -> Result<()> {
+        let data = self.dir.path().join(format!("host-{host}"));
+        let args = vec![
+            "--host".to_string(),
+            host.to_string(),
+            "--data-dir".to_string(),
+            data.to_string_lossy().into_owned(),
+            "--mock-state-dir".to_string(),
+            self.mock_dir().to_string_lossy().into_owned(),
+            "--agent-bin".to_string(),
+            bin_path("turnstile")?.to_string_lossy().into_owned(),
+            "--ready-timeout".to_string(),
+            "20s".to_string(),
+        ];
+        let p = ServiceProcess::spawn_in(
+            self.dir.path(),
+            "turnstile-transport-agent",
+            &args,
+            &self.env(),
+            &format!("transport-{host}"),
+        )?;
+        self.transports.insert(host.to_string(), p);
+        Ok(())
+    }
+
+    pub fn mock_dir(&self) -> PathBuf {
+        self.dir.path().join("mock-agent")
+    }
+
+    /// The tail of every service's log, for a failing test's report.
+    pub fn logs(&self) -> String {
+        let mut out = format!("--- nats-server\n{}\n", self.nats.log_tail(20));
+        for (name, p) in self.lanes.iter().chain(self.transports.iter()) {
+            out.push_str(&format!("--- {name}\n{}\n", p.log_tail(40)));
+        }
+        out
+    }
+
+    /// Creates a mock-agent session, waiting for a transport host to heartbeat first.
+    pub async fn create_session(&self, name: &str, host: Option<&str>) -> Result<SessionId> {
+        let req = CreateSession {
+            agent: AgentKind::Mock,
+            name: name.to_string(),
+            host: host.map(|h| h.parse()).transpose()?,
+            cwd: None,
+        };
+        let rec: SessionRecord = wait_until("session create", Duration::from_secs(20), || {
+            let req = req.clone();
+            async move {
+                match api::call::<_, SessionRecord>(&self.client, subj::SESSION_CREATE, &req, API)
+                    .await
+                {
+                    Ok(r) => Ok(Some(r)),
+                    Err(e) if ["no_host", "timeout", "unavailable"].contains(&e.code.as_str()) => {
+                        Ok(None)
+                    }
+                    Err(e) => Err(e.into()),
+                }
+            }
+        })
+        .await?;
+        Ok(rec.id)
+    }
+
+    pub async fn send(&self, session: &SessionId, text: &str) -> Result<TurnId> {
+        let req = SendTurn {
+            session: session.clone(),
+            text: text.to_string(),
+            turn: None,
+        };
+        let rec: TurnRecord = api::call(&self.client, subj::SESSION_SEND, &req, API).await?;
+        Ok(rec.id)
+    }
+
+    pub async fn show(&self, session: &SessionId) -> Result<SessionView> {
+        Ok(api::call(
+            &self.client,
+            subj::SESSION_SHOW,
+            &SessionRef {
+                session: session.clone(),
+            },
+            API,
+        )
+        .await?)
+    }
+
+    pub async fn turn(&self, turn: &TurnId) -> Result<Option<TurnRecord>> {
+        let kv = self.js.get_key_value(subjects::TURNS_BUCKET).await?;
+        match kv.get(turn.as_str()).await? {
+            Some(b) => Ok(Some(serde_json::from_slice(&b)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits (event-driven, on the turn's KV key) for the turn to end.
+    pub async fn wait_turn(&self, turn: &TurnId, timeout: Duration) -> Result<TurnRecord> {
+        let kv = self.js.get_key_value(subjects::TURNS_BUCKET).await?;
+        let mut watch = kv.watch_with_history(turn.as_str()).await?;
+        let found = tokio::time::timeout(timeout, async {
+            while let Some(entry) = watch.next().await {
+                let entry = entry?;
+                if let Ok(r) = serde_json::from_slice::<TurnRecord>(&entry.value) {
+                    if r.state.is_terminal() {
+                        return Ok::<_, anyhow::Error>(r);
+                    }
+                }
+            }
+            bail!("watch of turn {turn} ended")
+        })
+        .await;
+        match found {
+            Ok(r) => r,
+            Err(_) => bail!(
+                "turn {turn} did not end within {timeout:?}; now {:?}",
+                self.turn(turn).await.ok().flatten().map(|r| r.state)
+            ),
+        }
+    }
+
+    /// Waits until the turn's record satisfies `pred` (e.g. it is being typed).
+    pub async fn wait_turn_state(
+        &self,
+        turn: &TurnId,
+        timeout: Duration,
+        pred: impl Fn(&TurnRecord) -> bool,
+    ) -> Result<TurnRecord> {
+        let kv = self.js.get_key_value(subjects::TURNS_BUCKET).await?;
+        let mut watch = kv.watch_with_history(turn.as_str()).await?;
+        tokio::time::timeout(timeout, async {
+            while let Some(entry) = watch.next().await {
+                if let Ok(r) = serde_json::from_slice::<TurnRecord>(&entry?.value) {
+                    if pred(&r) {
+                        return Ok(r);
+                    }
+                }
+            }
+            bail!("watch of turn {turn} ended")
+        })
+        .await
+        .with_context(|| format!("turn {turn} never reached the awaited state"))?
+    }
+
+    /// Every event kept so far, in stream order.
+    pub async fn events(&self) -> Result<Vec<Envelope>> {
+        let stream = self.js.get_stream(subjects::EVENTS_STREAM).await?;
+        let mut out = Vec::new();
+        let mut seq = 0;
+        loop {
+            match stream
+                .direct_get_next_for_subject(subjects::EVENTS_ALL, Some(seq + 1))
+                .await
+            {
+                Ok(m) => {
+                    seq = m.sequence;
+                    out.push(Envelope::decode(&m.payload)?);
+                }
+                Err(e)
+                    if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound =>
+                {
+                    break
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The messages a session's mock agent received, from its transcript file.
+    pub async fn transcript(&self, session: &SessionId) -> Result<Vec<String>> {
+        let kv = self.js.get_key_value(subjects::SESSIONS_BUCKET).await?;
+        let rec: SessionRecord = serde_json::from_slice(
+            &kv.get(session.as_str())
+                .await?
+                .with_context(|| format!("no session {session}"))?,
+        )?;
+        let conv = rec
+            .conversation
+            .with_context(|| format!("session {session} has no conversation id yet"))?;
+        let text = std::fs::read_to_string(self.mock_dir().join(format!("{conv}.jsonl")))?;
+        text.lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l)?;
+                Ok(v["message"].as_str().unwrap_or_default().to_string())
+            })
+            .collect()
+    }
+}
+
+/// Passes a scenario's result through, printing every service's log tail if it failed.
+pub fn report(stack: &Stack, r: Result<()>) -> Result<()> {
+    if r.is_err() {
+        eprintln!("{}", stack.logs());
+    }
+    r
+}
+
+/// Counts how often each message appears in a transcript.
+pub fn count(transcript: &[String], message: &str) -> usize {
+    transcript.iter().filter(|m| m.as_str() == message).count()
+}
+
+/// R1: per session, `turn.started`/`turn.completed|failed` strictly alternate for the same turn
+/// (no two turns' intervals overlap); returns the turns in the order they started.
+pub fn serial_turns(events: &[Envelope], session: &SessionId) -> Result<Vec<TurnId>> {
+    let mut order = Vec::new();
+    let mut open: Option<(TurnId, chrono::DateTime<chrono::Utc>)> = None;
+    for e in events
+        .iter()
+        .filter(|e| e.session.as_ref() == Some(session))
+    {
+        match e.kind.as_str() {
+            "turn.started" => {
+                let t = e.turn.clone().context("turn.started without turn")?;
+                if let Some((o, _)) = &open {
+                    bail!("turn {t} started while {o} was still in flight");
+                }
+                open = Some((t.clone(), e.at));
+                order.push(t);
+            }
+            "turn.completed" | "turn.failed" => {
+                let t = e.turn.clone().context("turn end without turn")?;
+                match open.take() {
+                    Some((o, started)) if o == t => {
+                        if e.at < started {
+                            bail!("turn {t} ended before it started");
+                        }
+                    }
+                    Some((o, _)) => bail!("turn {t} ended while {o} was the one in flight"),
+                    // Ended without starting here: only the stop path ends queued turns.
+                    None if e.kind == "turn.failed" => {}
+                    None => bail!("turn {t} completed without having started"),
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(order)
+}
