@@ -1,1 +1,62 @@
-fn main() {}
+//! `turnstile-bench lanes`: lane hand-off latency and lane throughput, measured beside the raw
+//! JetStream floor in the same run on the same nats-server. Prints one JSON object.
+
+mod floor;
+mod lanes;
+
+use anyhow::{bail, Result};
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+/// p50/p99/mean of microsecond samples.
+fn summary(mut samples: Vec<f64>) -> serde_json::Value {
+    samples.sort_by(f64::total_cmp);
+    let mean = samples.iter().sum::<f64>() / samples.len().max(1) as f64;
+    serde_json::json!({
+        "samples": samples.len(),
+        "p50_us": percentile(&samples, 50.0).round(),
+        "p99_us": percentile(&samples, 99.0).round(),
+        "mean_us": mean.round(),
+    })
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("lanes") => {}
+        _ => bail!("usage: turnstile-bench lanes [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20]"),
+    }
+    turnstile_shared::telemetry::init_with_default("warn");
+    let num = |i: usize, default: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
+    let (single, sessions, each) = (num(1, 1000), num(2, 100), num(3, 20));
+    let nats = turnstile_tests::NatsServer::start().await?;
+    let version = std::process::Command::new(turnstile_tests::nats_server_bin()?)
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let floor = floor::measure(&nats, 2000).await?;
+    let lanes = lanes::measure(&nats, single, sessions, each).await?;
+    let ratio = |p: &str| {
+        let a = lanes.handoff[p].as_f64().unwrap_or(f64::NAN);
+        let b = floor[p].as_f64().unwrap_or(f64::NAN);
+        ((a / b) * 100.0).round() / 100.0
+    };
+    let out = serde_json::json!({
+        "nats_server": version,
+        "store": "file",
+        "jetstream_floor": floor,
+        "lane_handoff": lanes.handoff,
+        "handoff_over_floor": { "p50": ratio("p50_us"), "p99": ratio("p99_us") },
+        "throughput": lanes.throughput,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}

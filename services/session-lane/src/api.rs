@@ -393,7 +393,7 @@ async fn list(ctx: Arc<Ctx>, _req: ListSessions) -> Result<Vec<SessionView>, Api
         .values::<SessionRecord>()
         .await
         .map_err(internal)?;
-    sessions.sort_by(|a, b| a.created_at.cmp(&b.created_at));
+    sessions.sort_by_key(|s| s.created_at);
     let hosts = live_hosts(&ctx).await?;
     let mut out = Vec::with_capacity(sessions.len());
     for s in sessions {

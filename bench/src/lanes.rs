@@ -1,0 +1,200 @@
+//! Lane hand-off and throughput with the agent replaced by the in-process instant adapter:
+//! session-lane and a transport agent run in this process against a real nats-server.
+//! Hand-off = the next turn's `typed_at` minus the previous turn's `ended_at`, both stamped
+//! by the transport: record the outcome, wake the lane, ack, take the next item, dispatch it,
+//! deliver it to the transport.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::api::{self, CreateSession};
+use turnstile_shared::records::{AgentKind, LaneItem, SessionRecord, TurnItem, TurnRecord, TurnState};
+use turnstile_shared::subjects::{self, api as subj};
+use turnstile_shared::{SessionId, TurnId};
+
+pub struct LaneFigures {
+    pub handoff: serde_json::Value,
+    pub throughput: serde_json::Value,
+}
+
+/// A service running in this process until its token is cancelled.
+struct Running {
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.cancel.cancel();
+        let _ = self.task.await;
+    }
+}
+
+fn start_lane(url: &str) -> Running {
+    let cancel = CancellationToken::new();
+    let config = turnstile_session_lane::Config::new(url);
+    let task = tokio::spawn({
+        let cancel = cancel.clone();
+        async move {
+            if let Err(e) = turnstile_session_lane::run(config, cancel).await {
+                eprintln!("session-lane: {e}");
+            }
+        }
+    });
+    Running { cancel, task }
+}
+
+fn start_transport(url: &str, dir: &std::path::Path) -> Result<Running> {
+    let cancel = CancellationToken::new();
+    let config = turnstile_transport_agent::Config::new(url, "bench".parse()?, dir.to_path_buf());
+    let task = tokio::spawn({
+        let cancel = cancel.clone();
+        async move {
+            if let Err(e) = turnstile_transport_agent::run(config, cancel).await {
+                eprintln!("transport: {e}");
+            }
+        }
+    });
+    Ok(Running { cancel, task })
+}
+
+pub async fn measure(
+    nats: &turnstile_tests::NatsServer,
+    single_turns: usize,
+    sessions: usize,
+    turns_each: usize,
+) -> Result<LaneFigures> {
+    let url = nats.url();
+    let client = nats.client().await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let dir = tempfile::tempdir()?;
+    let lane = start_lane(&url);
+    let transport = start_transport(&url, dir.path())?;
+    let one = create_sessions(&client, 1).await?;
+    let many = create_sessions(&client, sessions).await?;
+    // With the transport stopped, queue every turn; when it comes back, each hand-off finds
+    // its next item already waiting on the lane.
+    transport.stop().await;
+
+    let single = queue(&js, &one, single_turns).await?;
+    let transport = start_transport(&url, dir.path())?;
+    wait_all(&js, &single).await?;
+    transport.stop().await;
+    let mut records = Vec::new();
+    for t in &single {
+        records.push(turn(&js, t).await?);
+    }
+    let handoff = handoffs(&records);
+
+    let all = queue(&js, &many, turns_each).await?;
+    let started = Instant::now();
+    let transport = start_transport(&url, dir.path())?;
+    wait_all(&js, &all).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    transport.stop().await;
+    lane.stop().await;
+    Ok(LaneFigures {
+        handoff: crate::summary(handoff),
+        throughput: serde_json::json!({
+            "sessions": sessions,
+            "turns": all.len(),
+            "seconds": (seconds * 1000.0).round() / 1000.0,
+            "turns_per_sec": (all.len() as f64 / seconds).round(),
+        }),
+    })
+}
+
+async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Vec<SessionId>> {
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let req = CreateSession {
+            agent: AgentKind::Instant,
+            name: format!("bench-{i}"),
+            host: None,
+            cwd: None,
+        };
+        let mut tries = 0;
+        let rec = loop {
+            match api::call::<_, SessionRecord>(client, subj::SESSION_CREATE, &req, Duration::from_secs(10)).await {
+                Ok(r) => break r,
+                Err(e) if ["no_host", "unavailable", "timeout"].contains(&e.code.as_str()) && tries < 100 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => bail!("create session: {e}"),
+            }
+        };
+        out.push(rec.id);
+    }
+    Ok(out)
+}
+
+/// Publishes `n` turn items per session straight onto the lanes, pipelined.
+async fn queue(js: &async_nats::jetstream::Context, sessions: &[SessionId], n: usize) -> Result<Vec<TurnId>> {
+    let mut acks = Vec::new();
+    let mut turns = Vec::new();
+    for i in 0..n {
+        for s in sessions {
+            let turn = TurnId::new();
+            let item = LaneItem::Turn(TurnItem { turn: turn.clone(), text: format!("bench turn {i}") });
+            let env = item.to_envelope(s)?;
+            let publish = async_nats::jetstream::message::PublishMessage::build()
+                .payload(env.encode()?)
+                .message_id(env.id.clone());
+            acks.push(js.send_publish(subjects::lane(s), publish).await?);
+            turns.push(turn);
+        }
+    }
+    for a in acks {
+        a.await?;
+    }
+    Ok(turns)
+}
+
+async fn turn(js: &async_nats::jetstream::Context, t: &TurnId) -> Result<TurnRecord> {
+    let kv = js.get_key_value(subjects::TURNS_BUCKET).await?;
+    let b = kv.get(t.as_str()).await?.with_context(|| format!("no record for {t}"))?;
+    Ok(serde_json::from_slice(&b)?)
+}
+
+/// Waits for every turn to end, following the turns bucket.
+async fn wait_all(js: &async_nats::jetstream::Context, turns: &[TurnId]) -> Result<()> {
+    let kv = js.get_key_value(subjects::TURNS_BUCKET).await?;
+    let mut pending: std::collections::HashSet<String> = turns.iter().map(|t| t.to_string()).collect();
+    let mut watch = kv.watch_with_history(">").await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
+    while !pending.is_empty() {
+        let entry = tokio::time::timeout_at(deadline, watch.next())
+            .await
+            .context("turns did not finish within 300 s")?
+            .context("watch ended")??;
+        if let Ok(r) = serde_json::from_slice::<TurnRecord>(&entry.value) {
+            if r.state.is_terminal() {
+                if !matches!(r.state, TurnState::Completed { .. }) {
+                    bail!("turn {} failed: {:?}", r.id, r.state);
+                }
+                pending.remove(r.id.as_str());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn handoffs(records: &[TurnRecord]) -> Vec<f64> {
+    let mut spans: Vec<_> = records
+        .iter()
+        .filter_map(|r| match &r.state {
+            TurnState::Completed { typed_at, ended_at, .. } => Some((*typed_at, *ended_at)),
+            _ => None,
+        })
+        .collect();
+    spans.sort_by_key(|(typed, _)| *typed);
+    spans
+        .windows(2)
+        .filter_map(|w| (w[1].0 - w[0].1).num_microseconds())
+        .map(|us| us as f64)
+        .skip(10)
+        .collect()
+}
