@@ -10,7 +10,9 @@ use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, CreateSession};
-use turnstile_shared::records::{AgentKind, LaneItem, SessionRecord, TurnItem, TurnRecord, TurnState};
+use turnstile_shared::records::{
+    AgentKind, LaneItem, SessionRecord, TurnItem, TurnRecord, TurnState,
+};
 use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::{SessionId, TurnId};
 
@@ -117,9 +119,19 @@ async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Vec<Se
         };
         let mut tries = 0;
         let rec = loop {
-            match api::call::<_, SessionRecord>(client, subj::SESSION_CREATE, &req, Duration::from_secs(10)).await {
+            match api::call::<_, SessionRecord>(
+                client,
+                subj::SESSION_CREATE,
+                &req,
+                Duration::from_secs(10),
+            )
+            .await
+            {
                 Ok(r) => break r,
-                Err(e) if ["no_host", "unavailable", "timeout"].contains(&e.code.as_str()) && tries < 100 => {
+                Err(e)
+                    if ["no_host", "unavailable", "timeout"].contains(&e.code.as_str())
+                        && tries < 100 =>
+                {
                     tries += 1;
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
@@ -132,13 +144,20 @@ async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Vec<Se
 }
 
 /// Publishes `n` turn items per session straight onto the lanes, pipelined.
-async fn queue(js: &async_nats::jetstream::Context, sessions: &[SessionId], n: usize) -> Result<Vec<TurnId>> {
+async fn queue(
+    js: &async_nats::jetstream::Context,
+    sessions: &[SessionId],
+    n: usize,
+) -> Result<Vec<TurnId>> {
     let mut acks = Vec::new();
     let mut turns = Vec::new();
     for i in 0..n {
         for s in sessions {
             let turn = TurnId::new();
-            let item = LaneItem::Turn(TurnItem { turn: turn.clone(), text: format!("bench turn {i}") });
+            let item = LaneItem::Turn(TurnItem {
+                turn: turn.clone(),
+                text: format!("bench turn {i}"),
+            });
             let env = item.to_envelope(s)?;
             let publish = async_nats::jetstream::message::PublishMessage::build()
                 .payload(env.encode()?)
@@ -155,14 +174,18 @@ async fn queue(js: &async_nats::jetstream::Context, sessions: &[SessionId], n: u
 
 async fn turn(js: &async_nats::jetstream::Context, t: &TurnId) -> Result<TurnRecord> {
     let kv = js.get_key_value(subjects::TURNS_BUCKET).await?;
-    let b = kv.get(t.as_str()).await?.with_context(|| format!("no record for {t}"))?;
+    let b = kv
+        .get(t.as_str())
+        .await?
+        .with_context(|| format!("no record for {t}"))?;
     Ok(serde_json::from_slice(&b)?)
 }
 
 /// Waits for every turn to end, following the turns bucket.
 async fn wait_all(js: &async_nats::jetstream::Context, turns: &[TurnId]) -> Result<()> {
     let kv = js.get_key_value(subjects::TURNS_BUCKET).await?;
-    let mut pending: std::collections::HashSet<String> = turns.iter().map(|t| t.to_string()).collect();
+    let mut pending: std::collections::HashSet<String> =
+        turns.iter().map(|t| t.to_string()).collect();
     let mut watch = kv.watch_with_history(">").await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
     while !pending.is_empty() {
@@ -186,7 +209,9 @@ fn handoffs(records: &[TurnRecord]) -> Vec<f64> {
     let mut spans: Vec<_> = records
         .iter()
         .filter_map(|r| match &r.state {
-            TurnState::Completed { typed_at, ended_at, .. } => Some((*typed_at, *ended_at)),
+            TurnState::Completed {
+                typed_at, ended_at, ..
+            } => Some((*typed_at, *ended_at)),
             _ => None,
         })
         .collect();

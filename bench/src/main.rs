@@ -31,10 +31,13 @@ async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("lanes") => {}
-        _ => bail!("usage: turnstile-bench lanes [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20]"),
+        _ => bail!(
+            "usage: turnstile-bench lanes [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20]"
+        ),
     }
     turnstile_shared::telemetry::init_with_default("warn");
-    let num = |i: usize, default: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
+    let num =
+        |i: usize, default: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
     let (single, sessions, each) = (num(1, 1000), num(2, 100), num(3, 20));
     let nats = turnstile_tests::NatsServer::start().await?;
     let version = std::process::Command::new(turnstile_tests::nats_server_bin()?)

@@ -76,7 +76,17 @@ async fn serve(
         })?;
     let item_cancel = cancel.child_token();
     let mut in_flight: Option<(u64, ItemFuture)> = None;
+    // The next item can arrive while the current handler finishes its tail (after its ack,
+    // awaiting the outcome event's ack); it waits here rather than being dropped.
+    let mut next_item: Option<jetstream::Message> = None;
     let ended = loop {
+        if in_flight.is_none() {
+            if let Some(msg) = next_item.take() {
+                let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+                let fut = handle_item(ctx.clone(), session.clone(), msg, item_cancel.clone());
+                in_flight = Some((seq, Box::pin(fut)));
+            }
+        }
         tokio::select! {
             biased;
             _ = cancel.cancelled() => break None,
@@ -86,13 +96,13 @@ async fn serve(
             next = messages.next() => match next {
                 Some(Ok(msg)) => {
                     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
-                    if let Some((current, _)) = &in_flight {
-                        // Only a redelivery of the item we still hold can arrive (max_ack_pending 1).
-                        tracing::debug!(session = %session.id, seq, current, "redelivery of item in flight");
-                        continue;
+                    match &in_flight {
+                        // A redelivery of the item we still hold (its ack wait ran out).
+                        Some((current, _)) if *current == seq => {
+                            tracing::debug!(session = %session.id, seq, "redelivery of item in flight");
+                        }
+                        _ => next_item = Some(msg),
                     }
-                    let fut = handle_item(ctx.clone(), session.clone(), msg, item_cancel.clone());
-                    in_flight = Some((seq, Box::pin(fut)));
                 }
                 Some(Err(e)) => {
                     tracing::debug!(session = %session.id, error = %e, "lane pull");
@@ -186,39 +196,38 @@ async fn run_turn(
     cancel: &CancellationToken,
 ) {
     let waiter = ctx.turns.wait(&item.turn);
-    let record = match current_record(ctx, session, &item).await {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "read turn; retrying");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
-                .await;
-            return;
+    let nak = |delay: Option<Duration>| msg.ack_with(AckKind::Nak(delay));
+    // A first delivery cannot have an outcome yet, so the hot path dispatches without reading
+    // the record (the transport creates or checks it, idempotent by turn id). A redelivery
+    // (after a crash or fail-over) looks first: the turn may have ended meanwhile.
+    let first_delivery = msg.info().map(|i| i.delivered <= 1).unwrap_or(false);
+    if !first_delivery {
+        let record = match current_record(ctx, session, &item).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "read turn; retrying");
+                let _ = nak(Some(Duration::from_millis(500))).await;
+                return;
+            }
+        };
+        if record.session != session.id {
+            let reason = format!("turn {} belongs to session {}", record.id, record.session);
+            return reject(ctx, session, &msg, &reason).await;
         }
-    };
-    if record.session != session.id {
-        let reason = format!("turn {} belongs to session {}", record.id, record.session);
-        return reject(ctx, session, &msg, &reason).await;
-    }
-    if !record.state.is_terminal() {
-        if let Err(e) = dispatch(ctx, session, &msg, &item).await {
-            tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
-                .await;
-            return;
+        if record.state.is_terminal() {
+            return finish(ctx, session, &msg, &record).await;
         }
     }
-    let record = if record.state.is_terminal() {
-        Some(record)
-    } else {
-        wait_terminal(ctx, &msg, &item, waiter, cancel).await
-    };
-    match record {
+    if let Err(e) = dispatch(ctx, session, &msg, &item).await {
+        tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
+        let _ = nak(Some(Duration::from_millis(500))).await;
+        return;
+    }
+    match wait_terminal(ctx, &msg, &item, waiter, cancel).await {
         Some(record) => finish(ctx, session, &msg, &record).await,
+        // Cancelled: hand the item back so the replica that takes the lane continues it.
         None => {
-            // Cancelled: hand the item back so the replica that takes the lane continues it.
-            let _ = msg.ack_with(AckKind::Nak(None)).await;
+            let _ = nak(None).await;
         }
     }
 }

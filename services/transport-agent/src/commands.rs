@@ -327,6 +327,14 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
     if record.state.is_terminal() {
         return Ok(());
     }
+    if record.session != cmd.session {
+        let detail = format!(
+            "turn {} belongs to session {}, not {}",
+            record.id, record.session, cmd.session
+        );
+        tracing::warn!(detail, "refusing turn command");
+        return Ok(());
+    }
     let Some((spec, active)) = spec_for(ctx, &cmd.session).await else {
         return record_end(
             ctx,
