@@ -10,4 +10,6 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # Integration tests spawn the service binaries as real processes (to SIGKILL them).
 cargo build --workspace --bins
-cargo test --workspace -- --test-threads "${TEST_THREADS:-2}"
+# Unit tests first, the integration suite last (its summary closes the run).
+cargo test --workspace --lib --bins
+cargo test -p turnstile-tests --test integration -- --test-threads "${TEST_THREADS:-2}"
