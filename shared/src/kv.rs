@@ -136,14 +136,32 @@ impl Bucket {
 
     /// Read-modify-write with retries on conflict. `f` sees the current value (or `None`) and
     /// decides; returns the value that is stored afterwards.
-    pub async fn modify<T, F>(&self, key: &str, mut f: F) -> Result<Option<T>, KvError>
+    pub async fn modify<T, F>(&self, key: &str, f: F) -> Result<Option<T>, KvError>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnMut(Option<&T>) -> Change<T>,
+    {
+        self.modify_from(key, None, f).await
+    }
+
+    /// Like [`Bucket::modify`], starting from a value and revision the caller already holds
+    /// (saving a read on the hot path); falls back to reading on a conflict.
+    pub async fn modify_from<T, F>(
+        &self,
+        key: &str,
+        mut known: Option<(T, u64)>,
+        mut f: F,
+    ) -> Result<Option<T>, KvError>
     where
         T: Serialize + DeserializeOwned,
         F: FnMut(Option<&T>) -> Change<T>,
     {
         const ATTEMPTS: u32 = 16;
         for _ in 0..ATTEMPTS {
-            let current = self.get::<T>(key).await?;
+            let current = match known.take() {
+                Some(k) => Some(k),
+                None => self.get::<T>(key).await?,
+            };
             let change = f(current.as_ref().map(|(v, _)| v));
             let next = match change {
                 Change::Keep => return Ok(current.map(|(v, _)| v)),

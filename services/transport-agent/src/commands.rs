@@ -365,6 +365,7 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
         )
         .await;
     };
+    let mut written = None;
     let end = match &record.state {
         // Typed by an earlier run of this transport: watch it to its end, never type again.
         TurnState::Running { .. } => adapter.await_turn(&spec, ctx.config.turn_timeout).await,
@@ -379,20 +380,15 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
                 },
                 ..record.clone()
             };
-            if ctx
-                .buckets
-                .turns
-                .update(key, &running, revision)
-                .await?
-                .is_none()
-            {
+            let Some(rev) = ctx.buckets.turns.update(key, &running, revision).await? else {
                 // Someone else moved the turn on; start over from what is recorded now.
                 return Err(turnstile_shared::kv::KvError::Contended {
                     bucket: subjects::TURNS_BUCKET.to_string(),
                     key: key.to_string(),
                     attempts: 1,
                 });
-            }
+            };
+            written = Some((running, rev));
             adapter
                 .run_turn(&spec, &cmd.text, ctx.config.turn_timeout)
                 .await
@@ -406,7 +402,7 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
         },
         other => other,
     };
-    record_end(ctx, &record, end).await
+    record_end_from(ctx, &record, written, end).await
 }
 
 fn failed(reason: &'static str, detail: String) -> TurnEnd {
@@ -423,11 +419,21 @@ async fn record_end(
     record: &TurnRecord,
     end: TurnEnd,
 ) -> Result<(), turnstile_shared::kv::KvError> {
+    record_end_from(ctx, record, None, end).await
+}
+
+/// `known`: the record as this process last wrote it, with its revision (saves a read).
+async fn record_end_from(
+    ctx: &Ctx,
+    record: &TurnRecord,
+    known: Option<(TurnRecord, u64)>,
+    end: TurnEnd,
+) -> Result<(), turnstile_shared::kv::KvError> {
     let ended_at = Utc::now();
     let host = ctx.config.host.clone();
     ctx.buckets
         .turns
-        .modify::<TurnRecord, _>(record.id.as_str(), |cur| {
+        .modify_from::<TurnRecord, _>(record.id.as_str(), known, |cur| {
             let base = cur.unwrap_or(record);
             if base.state.is_terminal() {
                 return Change::Keep;
