@@ -33,15 +33,8 @@ async fn session_lane_killed_mid_turn_neither_retypes_nor_loses_it() -> Result<(
 async fn lane_killed(stack: &mut Stack) -> Result<()> {
     let s = stack.create_session("victim", None).await?;
     let texts = ["first, slow\n!sleep 3s", "second", "third"];
-    let mut turns = Vec::new();
-    for t in texts {
-        turns.push(stack.send(&s, t).await?);
-    }
-    stack
-        .wait_turn_state(&turns[0], Duration::from_secs(20), |r| {
-            matches!(r.state, TurnState::Running { .. })
-        })
-        .await?;
+    let turns = stack.send_all(&s, &texts).await?;
+    stack.wait_running(&turns[0]).await?;
     stack
         .lanes
         .get_mut("a")
@@ -74,15 +67,8 @@ async fn nats_restart_with_queued_messages_loses_none() -> Result<()> {
 async fn nats_killed(stack: &mut Stack) -> Result<()> {
     let s = stack.create_session("survivor", None).await?;
     let texts = ["one\n!sleep 2s", "two", "three", "four"];
-    let mut turns = Vec::new();
-    for t in texts {
-        turns.push(stack.send(&s, t).await?);
-    }
-    stack
-        .wait_turn_state(&turns[0], Duration::from_secs(20), |r| {
-            matches!(r.state, TurnState::Running { .. })
-        })
-        .await?;
+    let turns = stack.send_all(&s, &texts).await?;
+    stack.wait_running(&turns[0]).await?;
     stack.nats.kill().await?;
     stack.nats.restart().await?;
     all_complete(stack, &turns).await?;
@@ -107,15 +93,8 @@ async fn killing_the_serving_replica_moves_the_lane_to_the_other() -> Result<()>
 async fn failover(stack: &mut Stack) -> Result<()> {
     let s = stack.create_session("moving", None).await?;
     let texts: Vec<String> = (0..6).map(|i| format!("step {i}\n!sleep 400ms")).collect();
-    let mut turns = Vec::new();
-    for t in &texts {
-        turns.push(stack.send(&s, t).await?);
-    }
-    stack
-        .wait_turn_state(&turns[1], Duration::from_secs(20), |r| {
-            matches!(r.state, TurnState::Running { .. })
-        })
-        .await?;
+    let turns = stack.send_all(&s, &texts).await?;
+    stack.wait_running(&turns[1]).await?;
     let before = stack.events().await?;
     let servers: Vec<String> = before
         .iter()

@@ -150,6 +150,30 @@ impl Stack {
         Ok(rec.id)
     }
 
+    /// Sends each text in order, returning the turn ids.
+    pub async fn send_all<S: AsRef<str>>(
+        &self,
+        session: &SessionId,
+        texts: &[S],
+    ) -> Result<Vec<TurnId>> {
+        let mut turns = Vec::with_capacity(texts.len());
+        for t in texts {
+            turns.push(self.send(session, t.as_ref()).await?);
+        }
+        Ok(turns)
+    }
+
+    /// Waits until a transport has recorded the turn as being typed.
+    pub async fn wait_running(&self, turn: &TurnId) -> Result<TurnRecord> {
+        self.wait_turn_state(turn, Duration::from_secs(20), |r| {
+            matches!(
+                r.state,
+                turnstile_shared::records::TurnState::Running { .. }
+            )
+        })
+        .await
+    }
+
     pub async fn show(&self, session: &SessionId) -> Result<SessionView> {
         Ok(api::call(
             &self.client,
