@@ -288,6 +288,25 @@ impl Stack {
     }
 }
 
+impl Drop for Stack {
+    /// Agents outlive their transport by design (re-adoption); a finished test ends them.
+    fn drop(&mut self) {
+        for host in self.transports.keys() {
+            let sock = self
+                .dir
+                .path()
+                .join(format!("host-{host}"))
+                .join("tmux.sock");
+            let _ = std::process::Command::new("tmux")
+                .arg("-S")
+                .arg(sock)
+                .arg("kill-server")
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
 /// Passes a scenario's result through, printing every service's log tail if it failed.
 pub fn report(stack: &Stack, r: Result<()>) -> Result<()> {
     if r.is_err() {
