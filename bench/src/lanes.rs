@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, CreateSession};
+use turnstile_shared::events;
 use turnstile_shared::records::{
     AgentKind, LaneItem, SessionRecord, TurnItem, TurnRecord, TurnState,
 };
@@ -159,10 +160,7 @@ async fn queue(
                 text: format!("bench turn {i}"),
             });
             let env = item.to_envelope(s)?;
-            let publish = async_nats::jetstream::message::PublishMessage::build()
-                .payload(env.encode()?)
-                .message_id(env.id.clone());
-            acks.push(js.send_publish(subjects::lane(s), publish).await?);
+            acks.push(events::send_to(js, subjects::lane(s), &env, None).await?);
             turns.push(turn);
         }
     }

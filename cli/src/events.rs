@@ -27,9 +27,7 @@ pub struct EventsArgs {
 }
 
 pub async fn run(url: &str, args: EventsArgs) -> anyhow::Result<ExitCode> {
-    let client = async_nats::ConnectOptions::new()
-        .name("turnstile-events")
-        .connect(url)
+    let client = turnstile_shared::config::connect_once(url, "turnstile-events")
         .await
         .with_context(|| format!("connect to NATS at {url}"))?;
     follow(&client, &args, &mut std::io::stdout()).await?;

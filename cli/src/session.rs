@@ -63,9 +63,7 @@ pub enum SessionCommand {
 }
 
 pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
-    let client = async_nats::ConnectOptions::new()
-        .name("turnstile-cli")
-        .connect(url)
+    let client = turnstile_shared::config::connect_once(url, "turnstile-cli")
         .await
         .with_context(|| format!("connect to NATS at {url}"))?;
     match cmd {

@@ -65,18 +65,94 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-/// Connects with reconnects forever, so a NATS restart is a pause, not an outage.
+/// Splits `nats://user:password@host:port` into the address and its credentials: async-nats
+/// ignores credentials written into the URL, so they are applied as options instead.
+pub fn split_credentials(url: &str) -> (String, Option<(String, String)>) {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return (url.to_string(), None);
+    };
+    let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+    let Some((userinfo, host)) = authority.rsplit_once('@') else {
+        return (url.to_string(), None);
+    };
+    let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+    let mut bare = format!("{scheme}://{host}");
+    if !path.is_empty() {
+        bare = format!("{bare}/{path}");
+    }
+    (bare, Some((user.to_string(), password.to_string())))
+}
+
+fn options(url: &str, name: &str) -> (String, async_nats::ConnectOptions) {
+    let (bare, creds) = split_credentials(url);
+    let opts = match creds {
+        Some((user, password)) => {
+            async_nats::ConnectOptions::with_user_and_password(user, password)
+        }
+        None => async_nats::ConnectOptions::new(),
+    };
+    (
+        bare,
+        opts.name(name).connection_timeout(Duration::from_secs(5)),
+    )
+}
+
+/// For services: reconnects forever, so a NATS restart is a pause, not an outage.
 pub async fn connect(
     url: &str,
     name: &str,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
-    async_nats::ConnectOptions::new()
-        .name(name)
-        .retry_on_initial_connect()
+    let (bare, opts) = options(url, name);
+    opts.retry_on_initial_connect()
         .max_reconnects(None)
-        .connection_timeout(Duration::from_secs(5))
-        .connect(url)
+        .connect(bare)
         .await
+}
+
+/// For one-shot commands: fails at once when NATS is not there.
+pub async fn connect_once(
+    url: &str,
+    name: &str,
+) -> Result<async_nats::Client, async_nats::ConnectError> {
+    let (bare, opts) = options(url, name);
+    opts.connect(bare).await
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("connect to NATS at {url}: {source}")]
+    Connect {
+        url: String,
+        source: async_nats::ConnectError,
+    },
+    #[error(transparent)]
+    Topology(#[from] crate::topology::TopologyError),
+}
+
+/// What every service holds once it has started.
+pub struct Connected {
+    pub client: async_nats::Client,
+    pub js: async_nats::jetstream::Context,
+    pub buckets: crate::topology::Buckets,
+}
+
+/// Connects (retrying) and provisions the topology: the common start of every service.
+pub async fn start(
+    url: &str,
+    name: &str,
+    topology: &TopologyConfig,
+) -> Result<Connected, StartError> {
+    let (bare, _) = split_credentials(url);
+    let client = connect(url, name)
+        .await
+        .map_err(|source| StartError::Connect { url: bare, source })?;
+    let js = async_nats::jetstream::new(client.clone());
+    let buckets = crate::topology::provision(&js, topology).await?;
+    Ok(Connected {
+        client,
+        js,
+        buckets,
+    })
 }
 
 #[cfg(test)]
@@ -91,5 +167,24 @@ mod tests {
         assert_eq!(parse_duration("5"), Ok(Duration::from_secs(5)));
         assert!(parse_duration("5x").is_err());
         assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn credentials_leave_the_url() {
+        assert_eq!(
+            split_credentials("nats://lane:s3cret@nats:4222"),
+            (
+                "nats://nats:4222".to_string(),
+                Some(("lane".to_string(), "s3cret".to_string()))
+            )
+        );
+        assert_eq!(
+            split_credentials("nats://127.0.0.1:4222"),
+            ("nats://127.0.0.1:4222".to_string(), None)
+        );
+        assert_eq!(
+            split_credentials("localhost"),
+            ("localhost".to_string(), None)
+        );
     }
 }

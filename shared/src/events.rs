@@ -18,6 +18,7 @@ pub mod kind {
     pub const TURN_COMPLETED: &str = "turn.completed";
     pub const TURN_FAILED: &str = "turn.failed";
     pub const LANE_REJECTED: &str = "lane.rejected";
+    pub const TRANSPORT_REJECTED: &str = "transport.rejected";
     pub const TERMINAL_READY: &str = "terminal.ready";
     pub const HOST_UP: &str = "host.up";
 }
@@ -82,33 +83,28 @@ pub async fn send(
     js: &async_nats::jetstream::Context,
     env: &Envelope,
 ) -> Result<impl std::future::Future<Output = Result<(), PublishError>>, PublishError> {
-    let subject = event_subject(env);
-    let payload = env.encode()?;
-    let ack = js
-        .send_publish(
-            subject.clone(),
-            Publish::build().payload(payload).message_id(env.id.clone()),
-        )
-        .await
-        .map_err(|e| PublishError::Nats {
-            subject: subject.clone(),
-            source: e.into(),
-        })?;
-    Ok(async move {
-        ack.await.map(|_| ()).map_err(|e| PublishError::Nats {
-            subject,
-            source: e.into(),
-        })
-    })
+    send_to(js, event_subject(env), env, None).await
 }
 
-/// Publishes an arbitrary enveloped payload with a de-duplication id and waits for the ack.
+/// Publishes an enveloped payload on `subject`, de-duplicated by the envelope id, and waits
+/// for the stream's acknowledgement.
 pub async fn publish_durable(
     js: &async_nats::jetstream::Context,
     subject: String,
     env: &Envelope,
     headers: Option<HeaderMap>,
 ) -> Result<(), PublishError> {
+    send_to(js, subject, env, headers).await?.await
+}
+
+/// The one place a JetStream publish is built: payload, optional headers, and the envelope id
+/// as `Nats-Msg-Id`. Returns the acknowledgement to await.
+pub async fn send_to(
+    js: &async_nats::jetstream::Context,
+    subject: String,
+    env: &Envelope,
+    headers: Option<HeaderMap>,
+) -> Result<impl std::future::Future<Output = Result<(), PublishError>>, PublishError> {
     let payload = env.encode()?;
     // Headers first: `headers` replaces the map that `message_id` writes into.
     let mut publish = Publish::build().payload(payload);
@@ -123,8 +119,10 @@ pub async fn publish_durable(
             subject: subject.clone(),
             source: e.into(),
         })?;
-    ack.await.map(|_| ()).map_err(|e| PublishError::Nats {
-        subject,
-        source: e.into(),
+    Ok(async move {
+        ack.await.map(|_| ()).map_err(|e| PublishError::Nats {
+            subject,
+            source: e.into(),
+        })
     })
 }

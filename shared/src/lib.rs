@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod config;
+pub mod deadletter;
 pub mod envelope;
 pub mod events;
 pub mod ids;

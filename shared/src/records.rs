@@ -105,6 +105,11 @@ pub enum TurnState {
     Running {
         host: HostName,
         typed_at: DateTime<Utc>,
+        /// The adapter's position in the terminal just before typing (for the mock adapter,
+        /// the cursor's absolute line), so a restarted transport can tell whether the text
+        /// ever went in.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mark: Option<i64>,
     },
     Completed {
         host: HostName,

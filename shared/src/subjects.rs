@@ -61,6 +61,11 @@ pub fn lane_deadletter(session: &SessionId) -> String {
     format!("ts.dlq.lane.{session}")
 }
 
+/// Where a refused transport command is kept, with the reason in a header.
+pub fn transport_deadletter(host: &HostName) -> String {
+    format!("ts.dlq.transport.{host}")
+}
+
 /// Request/reply APIs (NATS services), `ts.api.<area>.<verb>`.
 pub mod api {
     pub const SESSION_SERVICE: &str = "turnstile-session-lane";

@@ -1,8 +1,8 @@
-//! The notification-broker service: the execution registry and completion routing (issue 3 fills it in). For now it connects and provisions the
-//! topology, so a deployment can already run every service.
+//! The notification-broker service: the execution registry and completion routing (issue 3
+//! fills it in). For now it connects and provisions the topology, so every service can run.
 
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::topology::{self, TopologyConfig};
+use turnstile_shared::topology::TopologyConfig;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -19,29 +19,15 @@ impl Config {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("connect to NATS at {url}: {source}")]
-    Connect {
-        url: String,
-        source: async_nats::ConnectError,
-    },
-    #[error(transparent)]
-    Topology(#[from] topology::TopologyError),
-}
+pub use turnstile_shared::config::StartError as Error;
 
 /// Connects, provisions, and idles until `shutdown` is cancelled.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
-    let client = turnstile_shared::config::connect(&config.nats_url, "notification-broker")
-        .await
-        .map_err(|source| Error::Connect {
-            url: config.nats_url.clone(),
-            source,
-        })?;
-    let js = async_nats::jetstream::new(client.clone());
-    topology::provision(&js, &config.topology).await?;
+    let started =
+        turnstile_shared::config::start(&config.nats_url, "notification-broker", &config.topology)
+            .await?;
     tracing::info!("notification-broker running");
     shutdown.cancelled().await;
-    let _ = client.flush().await;
+    let _ = started.client.flush().await;
     Ok(())
 }

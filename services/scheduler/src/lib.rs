@@ -1,8 +1,8 @@
-//! The scheduler service: schedules and slot claims (issue 4 fills it in). For now it connects and provisions the
-//! topology, so a deployment can already run every service.
+//! The scheduler service: schedules and slot claims (issue 4 fills it in). For now it
+//! connects and provisions the topology, so a deployment can already run every service.
 
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::topology::{self, TopologyConfig};
+use turnstile_shared::topology::TopologyConfig;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -19,29 +19,14 @@ impl Config {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("connect to NATS at {url}: {source}")]
-    Connect {
-        url: String,
-        source: async_nats::ConnectError,
-    },
-    #[error(transparent)]
-    Topology(#[from] topology::TopologyError),
-}
+pub use turnstile_shared::config::StartError as Error;
 
 /// Connects, provisions, and idles until `shutdown` is cancelled.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
-    let client = turnstile_shared::config::connect(&config.nats_url, "scheduler")
-        .await
-        .map_err(|source| Error::Connect {
-            url: config.nats_url.clone(),
-            source,
-        })?;
-    let js = async_nats::jetstream::new(client.clone());
-    topology::provision(&js, &config.topology).await?;
+    let started =
+        turnstile_shared::config::start(&config.nats_url, "scheduler", &config.topology).await?;
     tracing::info!("scheduler running");
     shutdown.cancelled().await;
-    let _ = client.flush().await;
+    let _ = started.client.flush().await;
     Ok(())
 }

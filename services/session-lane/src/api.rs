@@ -272,6 +272,12 @@ async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
     events::publish_durable(&ctx.js, subjects::lane(&session.id), &item, None)
         .await
         .map_err(internal)?;
+    // A stop that ran between the check above and this publish has already drained the lane:
+    // drain again, so this turn fails rather than waiting forever on a stopped session (R13).
+    if let Err(e) = active_session(&ctx, &session.id).await {
+        drain_lane(&ctx, &session.id).await?;
+        return Err(e);
+    }
     Ok(record)
 }
 

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
-use async_nats::HeaderMap;
 use chrono::Utc;
 use futures::StreamExt;
 use serde_json::json;
@@ -18,7 +17,7 @@ use turnstile_shared::events::{self, kind, session_event};
 use turnstile_shared::records::{
     transport_kind, LaneItem, SessionRecord, TurnCommand, TurnItem, TurnRecord, TurnState,
 };
-use turnstile_shared::{subjects, topology};
+use turnstile_shared::{deadletter, subjects, topology};
 
 use crate::turn_watch::{sleep_or_cancel, TurnWaiter};
 use crate::Ctx;
@@ -149,42 +148,17 @@ async fn handle_item(
 /// event says so, and the lane moves on to the next item.
 async fn reject(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, reason: &str) {
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
-    tracing::warn!(session = %session.id, seq, reason, "refusing lane item");
-    let mut headers = HeaderMap::new();
-    headers.insert(
-        subjects::REASON_HEADER,
-        reason.replace(['\r', '\n'], " ").as_str(),
-    );
-    headers.insert("Nats-Msg-Id", format!("lane:{}:{seq}", session.id).as_str());
     let dlq = subjects::lane_deadletter(&session.id);
-    let stored = async {
-        ctx.js
-            .publish_with_headers(dlq.clone(), headers, msg.payload.clone())
-            .await?
-            .await?;
-        let ev = session_event(
-            kind::LANE_REJECTED,
-            &session.id,
-            None,
-            &json!({ "reason": reason, "lane_seq": seq, "dead_letter": dlq }),
-        )?
-        .with_id(format!("{}:lane.rejected:{seq}", session.id));
-        events::publish(&ctx.js, &ev).await?;
-        Ok::<(), async_nats::Error>(())
-    }
-    .await;
-    match stored {
-        Ok(()) => {
-            if let Err(e) = msg.ack_with(AckKind::Term).await {
-                tracing::warn!(session = %session.id, error = %e, "term refused item");
-            }
-        }
-        Err(e) => {
-            tracing::warn!(session = %session.id, error = %e, "dead-letter failed; will retry");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
-        }
+    let event = session_event(
+        kind::LANE_REJECTED,
+        &session.id,
+        None,
+        &json!({ "reason": reason, "lane_seq": seq, "dead_letter": dlq }),
+    )
+    .map(|e| e.with_id(format!("{}:lane.rejected:{seq}", session.id)));
+    match event {
+        Ok(event) => deadletter::refuse(&ctx.js, msg, dlq, reason, &event).await,
+        Err(e) => tracing::error!(session = %session.id, error = %e, "build lane.rejected"),
     }
 }
 
@@ -286,16 +260,13 @@ async fn dispatch(
     .with_session(&session.id)
     .with_turn(&item.turn)
     .with_id(item.turn.to_string());
-    let subject = subjects::transport(&session.host, "turn");
-    let command_ack = ctx
-        .js
-        .send_publish(
-            subject,
-            async_nats::jetstream::message::PublishMessage::build()
-                .payload(command.encode()?)
-                .message_id(command.id.clone()),
-        )
-        .await?;
+    let command_ack = events::send_to(
+        &ctx.js,
+        subjects::transport(&session.host, "turn"),
+        &command,
+        None,
+    )
+    .await?;
     let (e, c) = tokio::join!(event_ack, command_ack);
     e?;
     c?;
@@ -344,22 +315,46 @@ async fn wait_terminal(
 
 /// Emits the outcome event (derived from the durable record) and frees the lane.
 async fn finish(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, record: &TurnRecord) {
-    let event = outcome_event(record);
-    let event_ack = match event {
-        Ok(ev) => events::send(&ctx.js, &ev).await.ok(),
+    let event = match outcome_event(record) {
+        Ok(ev) => Some(ev),
         Err(e) => {
-            tracing::warn!(turn = %record.id, error = %e, "build outcome event");
+            tracing::error!(turn = %record.id, error = %e, "build outcome event");
             None
         }
+    };
+    // The event is sent before the ack (so readers see it before the next turn starts) and its
+    // acknowledgement awaited after, keeping the hand-off to one round trip.
+    let sent = match &event {
+        Some(ev) => Some(events::send(&ctx.js, ev).await),
+        None => None,
     };
     if let Err(e) = msg.double_ack().await {
         tracing::warn!(session = %session.id, turn = %record.id, error = %e, "ack lane item");
     }
-    if let Some(ack) = event_ack {
-        if let Err(e) = ack.await {
-            tracing::warn!(turn = %record.id, error = %e, "outcome event");
-        }
+    let acked = match sent {
+        Some(Ok(ack)) => ack.await,
+        Some(Err(e)) => Err(e),
+        None => Ok(()),
+    };
+    if let (Err(e), Some(ev)) = (acked, event) {
+        tracing::warn!(turn = %record.id, error = %e, "outcome event; retrying");
+        tokio::spawn(republish(ctx.js.clone(), ev));
     }
+}
+
+/// Retries an event whose publish failed after its lane item was acked (bounded; the event's
+/// stable id makes a repeat harmless).
+async fn republish(js: jetstream::Context, event: Envelope) {
+    let mut delay = Duration::from_millis(200);
+    for _ in 0..10 {
+        tokio::time::sleep(delay).await;
+        match events::publish(&js, &event).await {
+            Ok(()) => return,
+            Err(e) => tracing::warn!(event = %event.id, error = %e, "outcome event retry"),
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+    tracing::error!(event = %event.id, "outcome event lost after 10 attempts");
 }
 
 /// `turn.completed` or `turn.failed` for a terminal record; shared with the stop path.

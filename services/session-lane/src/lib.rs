@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::topology::{self, Buckets, TopologyConfig};
+use turnstile_shared::config::{Connected, StartError};
+use turnstile_shared::topology::{Buckets, TopologyConfig};
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -35,20 +36,10 @@ impl Config {
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("connect to NATS at {url}: {source}")]
-    Connect {
-        url: String,
-        source: async_nats::ConnectError,
-    },
     #[error(transparent)]
-    Topology(#[from] topology::TopologyError),
+    Start(#[from] StartError),
     #[error("start API service: {0}")]
     Api(async_nats::Error),
-    #[error("watch {what}: {source}")]
-    Watch {
-        what: &'static str,
-        source: async_nats::Error,
-    },
 }
 
 /// Everything a lane worker or API handler needs, shared by reference.
@@ -63,14 +54,12 @@ pub(crate) struct Ctx {
 
 /// Runs the service until `shutdown` is cancelled, then hands its lanes over and returns.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
-    let client = turnstile_shared::config::connect(&config.nats_url, &config.replica)
-        .await
-        .map_err(|source| Error::Connect {
-            url: config.nats_url.clone(),
-            source,
-        })?;
-    let js = async_nats::jetstream::new(client.clone());
-    let buckets = topology::provision(&js, &config.topology).await?;
+    let Connected {
+        client,
+        js,
+        buckets,
+    } = turnstile_shared::config::start(&config.nats_url, &config.replica, &config.topology)
+        .await?;
     let turns = turn_watch::TurnWatch::start(buckets.turns.clone(), shutdown.child_token());
     let ctx = Arc::new(Ctx {
         client,

@@ -45,6 +45,15 @@ pub enum TurnEnd {
     },
 }
 
+/// What a restarted transport finds of a turn an earlier run recorded as `running`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Adopted {
+    /// The turn went in and has ended.
+    Ended(TurnEnd),
+    /// The terminal is still where it was before typing: the text never went in.
+    NotTyped,
+}
+
 pub trait Adapter: Send + Sync {
     /// Brings the agent to its ready prompt within `timeout`, launching it (resuming the
     /// session's conversation when known) if its terminal is missing or dead.
@@ -54,17 +63,27 @@ pub trait Adapter: Send + Sync {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Ready, Unavailable>>;
 
-    /// Types `text` as one message and waits for the agent to be back at its prompt.
+    /// The position to record before typing (see `TurnState::Running::mark`); the agent must
+    /// be at its ready prompt.
+    fn mark<'a>(&'a self, spec: &'a SessionSpec) -> BoxFuture<'a, Result<Option<i64>, TurnEnd>>;
+
+    /// Types `text` as one message at `mark` and waits for the agent to be back at its prompt.
     fn run_turn<'a>(
         &'a self,
         spec: &'a SessionSpec,
         text: &'a str,
+        mark: Option<i64>,
         timeout: Duration,
     ) -> BoxFuture<'a, TurnEnd>;
 
-    /// Waits for a turn typed by an earlier run of this transport to end (re-adoption).
-    fn await_turn<'a>(&'a self, spec: &'a SessionSpec, timeout: Duration)
-        -> BoxFuture<'a, TurnEnd>;
+    /// Re-adopts a turn an earlier run of this transport recorded as `running` at `mark`:
+    /// waits for its end, or reports that it was never typed (so it is typed now, once).
+    fn await_turn<'a>(
+        &'a self,
+        spec: &'a SessionSpec,
+        mark: Option<i64>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Adopted>;
 
     /// Ends the agent and its terminal.
     fn stop<'a>(&'a self, spec: &'a SessionSpec) -> BoxFuture<'a, ()>;
@@ -87,10 +106,15 @@ impl Adapter for InstantAdapter {
         })
     }
 
+    fn mark<'a>(&'a self, _spec: &'a SessionSpec) -> BoxFuture<'a, Result<Option<i64>, TurnEnd>> {
+        Box::pin(async { Ok(None) })
+    }
+
     fn run_turn<'a>(
         &'a self,
         _spec: &'a SessionSpec,
         text: &'a str,
+        _mark: Option<i64>,
         _timeout: Duration,
     ) -> BoxFuture<'a, TurnEnd> {
         let first = text.lines().next().unwrap_or_default().to_string();
@@ -104,9 +128,10 @@ impl Adapter for InstantAdapter {
     fn await_turn<'a>(
         &'a self,
         _spec: &'a SessionSpec,
+        _mark: Option<i64>,
         _timeout: Duration,
-    ) -> BoxFuture<'a, TurnEnd> {
-        Box::pin(async move { TurnEnd::Completed { output: Vec::new() } })
+    ) -> BoxFuture<'a, Adopted> {
+        Box::pin(async move { Adopted::NotTyped })
     }
 
     fn stop<'a>(&'a self, _spec: &'a SessionSpec) -> BoxFuture<'a, ()> {

@@ -11,15 +11,15 @@ use futures::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::events::{self, host_event, kind, session_event};
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::{
     reason, transport_kind, SessionRecord, StartCommand, StopCommand, TurnCommand, TurnRecord,
     TurnState,
 };
-use turnstile_shared::{subjects, topology, SessionId, TurnId};
+use turnstile_shared::{deadletter, subjects, topology, SessionId, TurnId};
 
-use crate::adapter::{Adapter, SessionSpec, TurnEnd};
+use crate::adapter::{Adapter, Adopted, SessionSpec, TurnEnd};
 use crate::{Ctx, Error};
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
@@ -64,7 +64,7 @@ async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), asy
 async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message) {
     let env = match Envelope::decode(&msg.payload) {
         Ok(env) => env,
-        Err(e) => return refuse(&msg, &e.to_string()).await,
+        Err(e) => return refuse(&ctx, &msg, &e.to_string()).await,
     };
     let result = match env.kind.as_str() {
         transport_kind::TURN => match env.data_as::<TurnCommand>() {
@@ -91,14 +91,26 @@ async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message) {
         Ok(()) => {
             let _ = msg.double_ack().await;
         }
-        Err(reason) => refuse(&msg, &reason).await,
+        Err(reason) => refuse(&ctx, &msg, &reason).await,
     }
 }
 
-/// R15: a command this build cannot read is dropped with a log line; nothing else stops.
-async fn refuse(msg: &jetstream::Message, reason: &str) {
-    tracing::warn!(subject = %msg.subject, reason, "refusing transport command");
-    let _ = msg.ack_with(AckKind::Term).await;
+/// R15: a command this build cannot read is dead-lettered with the reason and an event; the
+/// host's other commands go on.
+async fn refuse(ctx: &Ctx, msg: &jetstream::Message, reason: &str) {
+    let host = &ctx.config.host;
+    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+    let dlq = subjects::transport_deadletter(host);
+    let event = host_event(
+        kind::TRANSPORT_REJECTED,
+        host,
+        &json!({ "reason": reason, "subject": msg.subject.as_str(), "dead_letter": dlq }),
+    )
+    .map(|e| e.with_id(format!("{host}:transport.rejected:{seq}")));
+    match event {
+        Ok(event) => deadletter::refuse(&ctx.js, msg, dlq, reason, &event).await,
+        Err(e) => tracing::error!(%host, error = %e, "build transport.rejected"),
+    }
 }
 
 async fn spec_for(ctx: &Ctx, session: &SessionId) -> Option<(SessionSpec, bool)> {
@@ -368,15 +380,35 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
     let mut written = None;
     let end = match &record.state {
         // Typed by an earlier run of this transport: watch it to its end, never type again.
-        TurnState::Running { .. } => adapter.await_turn(&spec, ctx.config.turn_timeout).await,
+        // Recorded by an earlier run of this transport: watch it to its end, and type it only
+        // if the terminal shows it never went in (R14: never twice).
+        TurnState::Running { mark, .. } => {
+            match adapter
+                .await_turn(&spec, *mark, ctx.config.turn_timeout)
+                .await
+            {
+                Adopted::Ended(end) => end,
+                Adopted::NotTyped => {
+                    tracing::info!(turn = %cmd.turn, "re-adopted turn was never typed; typing it now");
+                    adapter
+                        .run_turn(&spec, &cmd.text, *mark, ctx.config.turn_timeout)
+                        .await
+                }
+            }
+        }
         _ => {
             if let Err(end) = ensure_ready(ctx, &spec).await {
                 return record_end(ctx, &record, end).await;
             }
+            let mark = match adapter.mark(&spec).await {
+                Ok(m) => m,
+                Err(end) => return record_end(ctx, &record, end).await,
+            };
             let running = TurnRecord {
                 state: TurnState::Running {
                     host: ctx.config.host.clone(),
                     typed_at: Utc::now(),
+                    mark,
                 },
                 ..record.clone()
             };
@@ -390,7 +422,7 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
             };
             written = Some((running, rev));
             adapter
-                .run_turn(&spec, &cmd.text, ctx.config.turn_timeout)
+                .run_turn(&spec, &cmd.text, mark, ctx.config.turn_timeout)
                 .await
         }
     };

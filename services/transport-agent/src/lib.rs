@@ -13,11 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
+use turnstile_shared::config::{Connected, StartError};
 use turnstile_shared::records::AgentKind;
-use turnstile_shared::topology::{self, Buckets, TopologyConfig};
+use turnstile_shared::topology::{Buckets, TopologyConfig};
 use turnstile_shared::{HostName, SessionId, TurnId};
 
-pub use adapter::{Adapter, InstantAdapter, Ready, SessionSpec, TurnEnd, Unavailable};
+pub use adapter::{Adapter, Adopted, InstantAdapter, Ready, SessionSpec, TurnEnd, Unavailable};
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -68,13 +69,8 @@ pub fn default_agent_bin() -> PathBuf {
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("connect to NATS at {url}: {source}")]
-    Connect {
-        url: String,
-        source: async_nats::ConnectError,
-    },
     #[error(transparent)]
-    Topology(#[from] topology::TopologyError),
+    Start(#[from] StartError),
     #[error("prepare data dir {dir}: {source}")]
     DataDir { dir: String, source: std::io::Error },
 }
@@ -99,15 +95,16 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     };
     std::fs::create_dir_all(&config.mock_state_dir).map_err(dir_err)?;
     let tmux = tmux::Tmux::new(&config.data_dir).map_err(dir_err)?;
-    let client =
-        turnstile_shared::config::connect(&config.nats_url, &format!("transport-{}", config.host))
-            .await
-            .map_err(|source| Error::Connect {
-                url: config.nats_url.clone(),
-                source,
-            })?;
-    let js = async_nats::jetstream::new(client.clone());
-    let buckets = topology::provision(&js, &config.topology).await?;
+    let Connected {
+        client,
+        js,
+        buckets,
+    } = turnstile_shared::config::start(
+        &config.nats_url,
+        &format!("transport-{}", config.host),
+        &config.topology,
+    )
+    .await?;
     let mut adapters: HashMap<AgentKind, Arc<dyn Adapter>> = HashMap::new();
     adapters.insert(
         AgentKind::Mock,

@@ -10,11 +10,14 @@ use tokio::time::Instant;
 use turnstile_shared::records::reason;
 use turnstile_shared::ConversationId;
 
-use crate::adapter::{Adapter, Ready, SessionSpec, TurnEnd, Unavailable};
+use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
 use crate::tmux::{PaneState, Tmux};
 
 const PROMPT: &str = "❯";
 const EVIDENCE_LINES: usize = 20;
+/// How long a re-adopted turn's terminal must sit unchanged at its mark before the turn counts
+/// as never typed.
+const ADOPT_GRACE: Duration = Duration::from_secs(2);
 
 pub struct MockAdapter {
     pub tmux: Tmux,
@@ -212,42 +215,47 @@ impl Adapter for MockAdapter {
         })
     }
 
+    fn mark<'a>(&'a self, spec: &'a SessionSpec) -> BoxFuture<'a, Result<Option<i64>, TurnEnd>> {
+        Box::pin(async move {
+            let name = spec.id.as_str();
+            match self.tmux.pane_state(name).await {
+                Ok(s) if is_ready(&s) => Ok(Some(s.cursor_line())),
+                Ok(s) => Err(TurnEnd::Failed {
+                    reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
+                    detail: format!("terminal {name} is not at a ready prompt"),
+                    output: s.last_lines(EVIDENCE_LINES),
+                }),
+                Err(e) => Err(TurnEnd::Failed {
+                    reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
+                    detail: format!("terminal {name}: {e}"),
+                    output: Vec::new(),
+                }),
+            }
+        })
+    }
+
     fn run_turn<'a>(
         &'a self,
         spec: &'a SessionSpec,
         text: &'a str,
+        mark: Option<i64>,
         timeout: Duration,
     ) -> BoxFuture<'a, TurnEnd> {
         Box::pin(async move {
             let name = spec.id.as_str();
-            let before = match self.tmux.pane_state(name).await {
-                Ok(s) if is_ready(&s) => s,
-                Ok(s) => {
-                    return TurnEnd::Failed {
-                        reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
-                        detail: format!("terminal {name} is not at a ready prompt"),
-                        output: s.last_lines(EVIDENCE_LINES),
-                    }
-                }
-                Err(e) => {
-                    return TurnEnd::Failed {
-                        reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
-                        detail: format!("terminal {name}: {e}"),
-                        output: Vec::new(),
-                    }
-                }
+            let typed_line = match mark {
+                Some(m) => m,
+                None => match self.mark(spec).await {
+                    Ok(m) => m.unwrap_or_default(),
+                    Err(end) => return end,
+                },
             };
-            let typed_line = before.cursor_line();
             let buffer = format!("turn-{}", uuid::Uuid::new_v4().simple());
-            let typed = async {
-                self.tmux.paste(name, &buffer, text).await?;
-                self.tmux.send_enter(name).await
-            };
-            if let Err(e) = typed.await {
+            if let Err(e) = self.tmux.type_message(name, &buffer, text).await {
                 return TurnEnd::Failed {
                     reason: reason::TRANSPORT_ERROR,
                     detail: format!("type into terminal {name}: {e}"),
-                    output: before.last_lines(EVIDENCE_LINES),
+                    output: Vec::new(),
                 };
             }
             self.wait_turn_end(name, Some(typed_line), timeout).await
@@ -257,9 +265,33 @@ impl Adapter for MockAdapter {
     fn await_turn<'a>(
         &'a self,
         spec: &'a SessionSpec,
+        mark: Option<i64>,
         timeout: Duration,
-    ) -> BoxFuture<'a, TurnEnd> {
-        Box::pin(async move { self.wait_turn_end(spec.id.as_str(), None, timeout).await })
+    ) -> BoxFuture<'a, Adopted> {
+        Box::pin(async move {
+            let name = spec.id.as_str();
+            let Some(mark) = mark else {
+                return Adopted::Ended(self.wait_turn_end(name, None, timeout).await);
+            };
+            // Paste and Enter go to tmux as one command list, so the message either went in
+            // whole or not at all. If it went in, the agent moves its cursor off the marked
+            // line promptly; a terminal still on a bare prompt at the mark after the grace
+            // period never received it.
+            let deadline = Instant::now() + ADOPT_GRACE;
+            let mut backoff = Backoff::new();
+            loop {
+                match self.tmux.pane_state(name).await {
+                    Ok(s) if s.dead || s.cursor_line() > mark => break,
+                    Ok(s) if is_ready(&s) && Instant::now() >= deadline => {
+                        return Adopted::NotTyped
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+                backoff.wait().await;
+            }
+            Adopted::Ended(self.wait_turn_end(name, Some(mark), timeout).await)
+        })
     }
 
     fn stop<'a>(&'a self, spec: &'a SessionSpec) -> BoxFuture<'a, ()> {

@@ -233,22 +233,38 @@ impl Tmux {
         Ok(out.lines().map(|l| l.trim_end().to_string()).collect())
     }
 
-    /// Pastes literal text (bracketed, so multi-line text is one message), without Enter.
-    pub async fn paste(&self, name: &str, buffer: &str, text: &str) -> Result<(), TmuxError> {
+    /// Types literal text as one message: a bracketed paste (multi-line text stays one
+    /// message) and Enter, sent in ONE tmux command list so that a transport killed mid-way
+    /// leaves either nothing typed or the whole message submitted, never a pasted but
+    /// unsubmitted prompt.
+    pub async fn type_message(
+        &self,
+        name: &str,
+        buffer: &str,
+        text: &str,
+    ) -> Result<(), TmuxError> {
         self.run(&["load-buffer", "-b", buffer, "-"], Some(text.as_bytes()))
             .await?;
+        let target = pane(name);
         self.run(
-            &["paste-buffer", "-p", "-d", "-b", buffer, "-t", &pane(name)],
+            &[
+                "paste-buffer",
+                "-p",
+                "-d",
+                "-b",
+                buffer,
+                "-t",
+                &target,
+                ";",
+                "send-keys",
+                "-t",
+                &target,
+                "Enter",
+            ],
             None,
         )
         .await
         .map(|_| ())
-    }
-
-    pub async fn send_enter(&self, name: &str) -> Result<(), TmuxError> {
-        self.run(&["send-keys", "-t", &pane(name), "Enter"], None)
-            .await
-            .map(|_| ())
     }
 }
 

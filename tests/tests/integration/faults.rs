@@ -3,24 +3,9 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use turnstile_shared::records::TurnState;
-use turnstile_shared::TurnId;
+use turnstile_tests::wait_until;
 
-use crate::stack::{count, report, serial_turns, Stack};
-
-const LONG: Duration = Duration::from_secs(60);
-
-async fn all_complete(stack: &Stack, turns: &[TurnId]) -> Result<()> {
-    for t in turns {
-        let rec = stack.wait_turn(t, LONG).await?;
-        ensure!(
-            matches!(rec.state, TurnState::Completed { .. }),
-            "{t}: {:?}",
-            rec.state
-        );
-    }
-    Ok(())
-}
+use crate::stack::{report, serial_turns, Stack};
 
 /// Acceptance 2: session-lane SIGKILLed while a turn runs, then started again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -42,15 +27,8 @@ async fn lane_killed(stack: &mut Stack) -> Result<()> {
         .kill()
         .await?;
     stack.spawn_lane("a2")?;
-    all_complete(stack, &turns).await?;
-    let transcript = stack.transcript(&s).await?;
-    for t in texts {
-        ensure!(
-            count(&transcript, t) == 1,
-            "{t:?} not exactly once in {transcript:?}"
-        );
-    }
-    ensure!(transcript.len() == 3, "transcript: {transcript:?}");
+    stack.all_complete(&turns).await?;
+    stack.typed_exactly_once(&s, &texts).await?;
     let order = serial_turns(&stack.events().await?, &s)?;
     ensure!(order == turns, "ran {order:?}, sent {turns:?}");
     Ok(())
@@ -71,14 +49,8 @@ async fn nats_killed(stack: &mut Stack) -> Result<()> {
     stack.wait_running(&turns[0]).await?;
     stack.nats.kill().await?;
     stack.nats.restart().await?;
-    all_complete(stack, &turns).await?;
-    let transcript = stack.transcript(&s).await?;
-    for t in texts {
-        ensure!(
-            count(&transcript, t) == 1,
-            "{t:?} not exactly once in {transcript:?}"
-        );
-    }
+    stack.all_complete(&turns).await?;
+    stack.typed_exactly_once(&s, &texts).await?;
     Ok(())
 }
 
@@ -117,7 +89,7 @@ async fn failover(stack: &mut Stack) -> Result<()> {
         .context("serving replica")?
         .kill()
         .await?;
-    all_complete(stack, &turns).await?;
+    stack.all_complete(&turns).await?;
     let events = stack.events().await?;
     let order = serial_turns(&events, &s)?;
     ensure!(order == turns, "ran {order:?}, sent {turns:?}");
@@ -131,12 +103,47 @@ async fn failover(stack: &mut Stack) -> Result<()> {
         "last turn served by {}, expected {other}",
         last.data["replica"]
     );
-    let transcript = stack.transcript(&s).await?;
-    for t in &texts {
-        ensure!(
-            count(&transcript, t) == 1,
-            "{t:?} not exactly once in {transcript:?}"
-        );
-    }
+    stack.typed_exactly_once(&s, &texts).await?;
+    Ok(())
+}
+
+/// R14 on the transport side: the transport agent is SIGKILLed while its agent works on a
+/// turn. The turn was recorded `running` before it was typed, so the restarted transport only
+/// watches it to its end (re-adopting the pane on its private tmux socket) and never types it
+/// again; the turns behind it go into the same conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_killed_mid_turn_adopts_the_turn_without_retyping() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = transport_killed(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn transport_killed(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("adopted", None).await?;
+    let texts = ["long one\n!sleep 3s", "after the restart"];
+    let turns = stack.send_all(&s, &texts).await?;
+    stack.wait_running(&turns[0]).await?;
+    // Kill only once the agent has the message: the restarted transport must not retype it.
+    wait_until(
+        "the agent to receive the long turn",
+        Duration::from_secs(20),
+        || async {
+            Ok(stack
+                .transcript(&s)
+                .await
+                .ok()
+                .filter(|t| t.iter().any(|m| m == texts[0])))
+        },
+    )
+    .await?;
+    stack
+        .transports
+        .get_mut("h1")
+        .context("host h1")?
+        .kill()
+        .await?;
+    stack.spawn_transport("h1")?;
+    stack.all_complete(&turns).await?;
+    stack.typed_exactly_once(&s, &texts).await?;
     Ok(())
 }

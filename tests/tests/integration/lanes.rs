@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{ensure, Result};
 use turnstile_shared::records::TurnState;
 
-use crate::stack::{count, report, serial_turns, Stack};
+use crate::stack::{report, serial_turns, Stack};
 
 /// Acceptance 1: three sessions, five messages each, sent at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -52,17 +52,8 @@ async fn three_sessions(stack: &mut Stack) -> Result<()> {
             order == sent_order,
             "session {s} ran {order:?}, sent {sent_order:?}"
         );
-        let transcript = stack.transcript(s).await?;
-        ensure!(
-            transcript.len() == 5,
-            "session {s} transcript: {transcript:?}"
-        );
-        for (_, text) in turns {
-            ensure!(
-                count(&transcript, text) == 1,
-                "{text:?} not exactly once in {transcript:?}"
-            );
-        }
+        let texts: Vec<&str> = turns.iter().map(|(_, t)| t.as_str()).collect();
+        stack.typed_exactly_once(s, &texts).await?;
     }
     Ok(())
 }

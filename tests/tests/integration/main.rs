@@ -5,3 +5,4 @@ mod bad_input;
 mod faults;
 mod lanes;
 mod stack;
+mod stop;

@@ -320,6 +320,45 @@ pub fn count(transcript: &[String], message: &str) -> usize {
     transcript.iter().filter(|m| m.as_str() == message).count()
 }
 
+impl Stack {
+    /// Every turn ends `completed`.
+    pub async fn all_complete(&self, turns: &[TurnId]) -> Result<()> {
+        for t in turns {
+            let rec = self.wait_turn(t, Duration::from_secs(60)).await?;
+            anyhow::ensure!(
+                matches!(
+                    rec.state,
+                    turnstile_shared::records::TurnState::Completed { .. }
+                ),
+                "{t}: {:?}",
+                rec.state
+            );
+        }
+        Ok(())
+    }
+
+    /// R14 as the agent sees it: each message reached the agent exactly once, nothing else did.
+    pub async fn typed_exactly_once<S: AsRef<str>>(
+        &self,
+        session: &SessionId,
+        texts: &[S],
+    ) -> Result<()> {
+        let transcript = self.transcript(session).await?;
+        for t in texts {
+            let t = t.as_ref();
+            anyhow::ensure!(
+                count(&transcript, t) == 1,
+                "{t:?} not exactly once in {transcript:?}"
+            );
+        }
+        anyhow::ensure!(
+            transcript.len() == texts.len(),
+            "unexpected messages in {transcript:?}"
+        );
+        Ok(())
+    }
+}
+
 /// R1: per session, `turn.started`/`turn.completed|failed` strictly alternate for the same turn
 /// (no two turns' intervals overlap); returns the turns in the order they started.
 pub fn serial_turns(events: &[Envelope], session: &SessionId) -> Result<Vec<TurnId>> {
