@@ -65,7 +65,12 @@ pub enum SessionCommand {
 pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
     let client = turnstile_shared::config::connect_once(url, "turnstile-cli")
         .await
-        .with_context(|| format!("connect to NATS at {url}"))?;
+        .with_context(|| {
+            format!(
+                "connect to NATS at {}",
+                turnstile_shared::config::split_credentials(url).0
+            )
+        })?;
     match cmd {
         SessionCommand::Create {
             agent,
