@@ -74,8 +74,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     let api = api::serve(ctx.clone(), shutdown.child_token());
     let lanes = supervisor::run(ctx.clone(), shutdown.clone());
     let (api_result, lanes_result) = tokio::join!(api, lanes);
-    // Best effort: flush acks and naks so other replicas see them before this one exits.
-    let _ = tokio::time::timeout(config.shutdown_grace, ctx.client.flush()).await;
+    // Close the connection even when embedded in a longer-lived process: the server drops this
+    // replica's waiting pull requests, so pins cannot land on them again (R13).
+    let _ = tokio::time::timeout(config.shutdown_grace, ctx.client.drain()).await;
     api_result?;
     lanes_result
 }

@@ -252,6 +252,9 @@ async fn handle_stop(ctx: &Ctx, session: &SessionId) {
     if let Ok(mut map) = ctx.sessions.lock() {
         map.remove(session);
     }
+    if let Ok(mut locks) = ctx.launch_locks.lock() {
+        locks.remove(session);
+    }
     if let Some(spec) = spec {
         if let Some(adapter) = adapter(ctx, &spec) {
             adapter.stop(&spec).await;

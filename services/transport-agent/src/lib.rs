@@ -131,6 +131,6 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     let beat = heartbeat::run(ctx.clone(), shutdown.clone());
     let cmds = commands::run(ctx.clone(), shutdown.clone());
     let (beat, cmds) = tokio::join!(beat, cmds);
-    let _ = client.flush().await;
+    let _ = client.drain().await;
     beat.and(cmds)
 }

@@ -91,3 +91,41 @@ async fn bad_items(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// R15 at the transport: an unreadable command on a host's subject is dead-lettered with an
+/// event, and the host keeps typing everyone's turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_transport_commands_are_refused_and_the_host_goes_on() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = bad_command(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn bad_command(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("on-h1", Some("h1")).await?;
+    let host = "h1".parse()?;
+    stack
+        .js
+        .publish(subjects::transport(&host, "turn"), "garbage".into())
+        .await?
+        .await?;
+    let t = stack.send(&s, "still typed").await?;
+    stack.all_complete(&[t]).await?;
+    let dlq = stack.js.get_stream(subjects::DEADLETTER_STREAM).await?;
+    let dead = dlq
+        .direct_get_first_for_subject(subjects::transport_deadletter(&host))
+        .await
+        .context("transport dead letter")?;
+    ensure!(
+        &dead.payload[..] == b"garbage",
+        "dead letter keeps the payload"
+    );
+    let events = stack.events().await?;
+    let rejected = events
+        .iter()
+        .find(|e| e.kind == "transport.rejected")
+        .context("no transport.rejected event")?;
+    let reason = rejected.data["reason"].as_str().unwrap_or_default();
+    ensure!(reason.contains("not a JSON"), "reason: {reason}");
+    Ok(())
+}

@@ -147,3 +147,57 @@ async fn transport_killed(stack: &mut Stack) -> Result<()> {
     stack.typed_exactly_once(&s, &texts).await?;
     Ok(())
 }
+
+/// A replica stopped gracefully (SIGTERM, as in a rolling upgrade) hands its lanes over at once:
+/// with pin TTL and ack wait of 60 s, the other replica must take the session's queue well
+/// before either could expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_stop_hands_lanes_over_without_waiting_for_the_pin() -> Result<()> {
+    let slow = [
+        ("TURNSTILE_LANE_PIN_TTL", "60s"),
+        ("TURNSTILE_LANE_ACK_WAIT", "60s"),
+    ];
+    let mut stack = Stack::start_with(&["a", "b"], &["h1"], &slow).await?;
+    let r = graceful(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn graceful(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("upgraded", None).await?;
+    let texts: Vec<String> = (0..4).map(|i| format!("part {i}\n!sleep 500ms")).collect();
+    let turns = stack.send_all(&s, &texts).await?;
+    stack.wait_running(&turns[0]).await?;
+    let events = stack.events().await?;
+    let serving = events
+        .iter()
+        .find(|e| e.kind == "turn.started" && e.session.as_ref() == Some(&s))
+        .and_then(|e| e.data["replica"].as_str())
+        .context("a started turn")?
+        .to_string();
+    let pid = stack
+        .lanes
+        .get(&serving)
+        .and_then(|p| p.pid())
+        .context("serving pid")?;
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()?;
+    ensure!(term.success(), "kill -TERM {pid}");
+    for t in &turns {
+        let rec = stack.wait_turn(t, Duration::from_secs(20)).await?;
+        ensure!(
+            matches!(
+                rec.state,
+                turnstile_shared::records::TurnState::Completed { .. }
+            ),
+            "{t}: {:?}",
+            rec.state
+        );
+    }
+    stack.typed_exactly_once(&s, &texts).await?;
+    ensure!(
+        serial_turns(&stack.events().await?, &s)? == turns,
+        "turns out of order"
+    );
+    Ok(())
+}

@@ -23,11 +23,21 @@ pub struct Stack {
     pub transports: HashMap<String, ServiceProcess>,
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
+    overrides: Vec<(String, String)>,
 }
 
 impl Stack {
     /// nats-server, the given session-lane replicas and transport hosts.
     pub async fn start(replicas: &[&str], hosts: &[&str]) -> Result<Stack> {
+        Self::start_with(replicas, hosts, &[]).await
+    }
+
+    /// Like [`Stack::start`], with environment overrides for every service (e.g. timings).
+    pub async fn start_with(
+        replicas: &[&str],
+        hosts: &[&str],
+        overrides: &[(&str, &str)],
+    ) -> Result<Stack> {
         turnstile_tests::init_tracing();
         let nats = NatsServer::start().await?;
         let client = nats.client().await?;
@@ -39,6 +49,10 @@ impl Stack {
             transports: HashMap::new(),
             client,
             js,
+            overrides: overrides
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         for r in replicas {
             stack.spawn_lane(r)?;
@@ -61,6 +75,8 @@ impl Stack {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
+        .filter(|(k, _)| !self.overrides.iter().any(|(o, _)| o == k))
+        .chain(self.overrides.iter().cloned())
         .collect()
     }
 
