@@ -78,6 +78,8 @@ async fn serve(
     // The next item can arrive while the current handler finishes its tail (after its ack,
     // awaiting the outcome event's ack); it waits here rather than being dropped.
     let mut next_item: Option<jetstream::Message> = None;
+    // Whether this replica ever held the lane's pin (it received an item).
+    let mut pinned = false;
     let ended = loop {
         if in_flight.is_none() {
             if let Some(msg) = next_item.take() {
@@ -94,6 +96,7 @@ async fn serve(
             }
             next = messages.next() => match next {
                 Some(Ok(msg)) => {
+                    pinned = true;
                     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
                     match &in_flight {
                         // A redelivery of the item we still hold (its ack wait ran out).
@@ -118,18 +121,30 @@ async fn serve(
         }
         return Err(err);
     }
-    // Graceful hand-over: stop pulling, release the pin, then give the item back.
+    // Stop pulling and let the item's handler give it back (see `release`); at process
+    // shutdown the pin is released only after this replica's connection has closed (lib.rs).
     drop(messages);
-    if let Ok(stream) = ctx.js.get_stream_no_info(subjects::LANE_STREAM).await {
-        if let Err(e) = stream.unpin_consumer(&name, subjects::LANE_GROUP).await {
-            tracing::debug!(session = %session.id, error = %e, "unpin lane");
-        }
-    }
     item_cancel.cancel();
     if let Some((_, f)) = in_flight {
         f.await;
     }
+    if pinned && ctx.shutdown.is_cancelled() {
+        ctx.hand_back_lane(name);
+    }
     Ok(())
+}
+
+/// Gives a lane item back unacked. At process shutdown the nak waits until this replica's
+/// connection is closed (so the item cannot come straight back to one of its pull requests);
+/// otherwise (the session was stopped) it is sent at once.
+async fn release(ctx: &Ctx, msg: &jetstream::Message) {
+    if ctx.shutdown.is_cancelled() {
+        if let Some(reply) = &msg.reply {
+            ctx.hand_back_item(reply.to_string());
+            return;
+        }
+    }
+    let _ = msg.ack_with(AckKind::Nak(None)).await;
 }
 
 async fn handle_item(
@@ -200,9 +215,7 @@ async fn run_turn(
     match wait_terminal(ctx, &msg, &item, waiter, cancel).await {
         Some(record) => finish(ctx, session, &msg, &record).await,
         // Cancelled: hand the item back so the replica that takes the lane continues it.
-        None => {
-            let _ = nak(None).await;
-        }
+        None => release(ctx, &msg).await,
     }
 }
 

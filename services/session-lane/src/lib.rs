@@ -50,6 +50,68 @@ pub(crate) struct Ctx {
     pub topology: TopologyConfig,
     pub replica: String,
     pub turns: turn_watch::TurnWatch,
+    /// The process-wide shutdown, as distinct from one lane's cancellation.
+    pub shutdown: CancellationToken,
+    handback: std::sync::Mutex<Handback>,
+}
+
+/// What a stopping replica gives back once its connection is closed.
+#[derive(Default)]
+struct Handback {
+    /// Lane consumers this replica held the pin of.
+    lanes: Vec<String>,
+    /// Ack subjects of the items it held in flight.
+    items: Vec<String>,
+}
+
+impl Ctx {
+    pub fn hand_back_lane(&self, consumer: String) {
+        if let Ok(mut h) = self.handback.lock() {
+            h.lanes.push(consumer);
+        }
+    }
+
+    pub fn hand_back_item(&self, ack_subject: String) {
+        if let Ok(mut h) = self.handback.lock() {
+            h.items.push(ack_subject);
+        }
+    }
+}
+
+/// Releases the pins and naks the items this replica held, over a short-lived connection.
+async fn hand_back(config: &Config, handback: Handback) {
+    if handback.lanes.is_empty() && handback.items.is_empty() {
+        return;
+    }
+    let name = format!("{}-handback", config.replica);
+    let client = match turnstile_shared::config::connect_once(&config.nats_url, &name).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "hand-back: connect; lanes move after the pin TTL");
+            return;
+        }
+    };
+    let js = async_nats::jetstream::new(client.clone());
+    if let Ok(stream) = js
+        .get_stream_no_info(turnstile_shared::subjects::LANE_STREAM)
+        .await
+    {
+        for consumer in &handback.lanes {
+            if let Err(e) = stream
+                .unpin_consumer(consumer, turnstile_shared::subjects::LANE_GROUP)
+                .await
+            {
+                tracing::debug!(consumer, error = %e, "hand-back: unpin");
+            }
+        }
+    }
+    for ack in handback.items {
+        if let Err(e) = client.publish(ack, "-NAK".into()).await {
+            tracing::debug!(error = %e, "hand-back: nak");
+        }
+    }
+    let _ = client.flush().await;
+    tracing::info!(lanes = handback.lanes.len(), "lanes handed back");
 }
 
 /// Runs the service until `shutdown` is cancelled, then hands its lanes over and returns.
@@ -68,15 +130,28 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         topology: config.topology.clone(),
         replica: config.replica.clone(),
         turns,
+        shutdown: shutdown.clone(),
+        handback: Default::default(),
     });
     tracing::info!(replica = %ctx.replica, "session-lane running");
 
     let api = api::serve(ctx.clone(), shutdown.child_token());
     let lanes = supervisor::run(ctx.clone(), shutdown.clone());
     let (api_result, lanes_result) = tokio::join!(api, lanes);
-    // Close the connection even when embedded in a longer-lived process: the server drops this
-    // replica's waiting pull requests, so pins cannot land on them again (R13).
+    // Close the connection first: the server then drops this replica's waiting pull requests,
+    // so releasing the pins and naking the items from a fresh connection hands them to another
+    // replica at once instead of back to a request of this one (and a pin stranded until its
+    // TTL). Also what makes an in-process restart (`turnstile dev`, the bench) clean (R13).
     let _ = tokio::time::timeout(config.shutdown_grace, ctx.client.drain()).await;
+    let handback = ctx
+        .handback
+        .lock()
+        .map(|mut h| std::mem::take(&mut *h))
+        .unwrap_or_default();
+    if let Err(e) = tokio::time::timeout(config.shutdown_grace, hand_back(&config, handback)).await
+    {
+        tracing::warn!(error = %e, "hand-back of lanes timed out; they move after the pin TTL");
+    }
     api_result?;
     lanes_result
 }
