@@ -27,14 +27,7 @@ pub struct EventsArgs {
 }
 
 pub async fn run(url: &str, args: EventsArgs) -> anyhow::Result<ExitCode> {
-    let client = turnstile_shared::config::connect_once(url, "turnstile-events")
-        .await
-        .with_context(|| {
-            format!(
-                "connect to NATS at {}",
-                turnstile_shared::config::split_credentials(url).0
-            )
-        })?;
+    let client = turnstile_shared::config::connect_once(url, "turnstile-events").await?;
     follow(&client, &args, &mut std::io::stdout()).await?;
     Ok(ExitCode::SUCCESS)
 }

@@ -63,14 +63,7 @@ pub enum SessionCommand {
 }
 
 pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
-    let client = turnstile_shared::config::connect_once(url, "turnstile-cli")
-        .await
-        .with_context(|| {
-            format!(
-                "connect to NATS at {}",
-                turnstile_shared::config::split_credentials(url).0
-            )
-        })?;
+    let client = turnstile_shared::config::connect_once(url, "turnstile-cli").await?;
     match cmd {
         SessionCommand::Create {
             agent,

@@ -109,13 +109,13 @@ pub async fn connect(
         .await
 }
 
-/// For one-shot commands: fails at once when NATS is not there.
-pub async fn connect_once(
-    url: &str,
-    name: &str,
-) -> Result<async_nats::Client, async_nats::ConnectError> {
+/// For one-shot commands: fails at once when NATS is not there. The error names the server
+/// without its credentials.
+pub async fn connect_once(url: &str, name: &str) -> Result<async_nats::Client, StartError> {
     let (bare, opts) = options(url, name);
-    opts.connect(bare).await
+    opts.connect(bare.clone())
+        .await
+        .map_err(|source| StartError::Connect { url: bare, source })
 }
 
 #[derive(Debug, thiserror::Error)]

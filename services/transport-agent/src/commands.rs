@@ -350,35 +350,9 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
         tracing::warn!(detail, "refusing turn command");
         return Ok(());
     }
-    let Some((spec, active)) = spec_for(ctx, &cmd.session).await else {
-        return record_end(
-            ctx,
-            &record,
-            failed(
-                reason::TRANSPORT_ERROR,
-                format!("no session {}", cmd.session),
-            ),
-        )
-        .await;
-    };
-    if !active || is_stopped(ctx, &cmd.session) {
-        return record_end(
-            ctx,
-            &record,
-            failed(reason::SESSION_STOPPED, "the session is stopped".into()),
-        )
-        .await;
-    }
-    let Some(adapter) = adapter(ctx, &spec) else {
-        return record_end(
-            ctx,
-            &record,
-            failed(
-                reason::TRANSPORT_ERROR,
-                format!("no adapter for agent {}", spec.agent),
-            ),
-        )
-        .await;
+    let (spec, adapter) = match turn_target(ctx, cmd).await {
+        Ok(t) => t,
+        Err(end) => return record_end(ctx, &record, end).await,
     };
     let mut written = None;
     let end = match &record.state {
@@ -438,6 +412,32 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
         other => other,
     };
     record_end_from(ctx, &record, written, end).await
+}
+
+/// The session and adapter a turn goes to, or why it cannot go anywhere.
+async fn turn_target(
+    ctx: &Ctx,
+    cmd: &TurnCommand,
+) -> Result<(SessionSpec, Arc<dyn Adapter>), TurnEnd> {
+    let Some((spec, active)) = spec_for(ctx, &cmd.session).await else {
+        return Err(failed(
+            reason::TRANSPORT_ERROR,
+            format!("no session {}", cmd.session),
+        ));
+    };
+    if !active || is_stopped(ctx, &cmd.session) {
+        return Err(failed(
+            reason::SESSION_STOPPED,
+            "the session is stopped".into(),
+        ));
+    }
+    match adapter(ctx, &spec) {
+        Some(a) => Ok((spec, a)),
+        None => Err(failed(
+            reason::TRANSPORT_ERROR,
+            format!("no adapter for agent {}", spec.agent),
+        )),
+    }
 }
 
 fn failed(reason: &'static str, detail: String) -> TurnEnd {
