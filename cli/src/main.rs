@@ -3,7 +3,9 @@
 
 mod dev;
 mod events;
+mod mcp;
 mod session;
+mod steps;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -33,6 +35,23 @@ enum Command {
     Session(session::SessionCommand),
     /// Follow lifecycle events (`ts.events.>`).
     Events(events::EventsArgs),
+    /// Start and inspect child executions (acts with the caller's session or step token).
+    #[command(subcommand)]
+    Step(steps::StepCommand),
+    /// Print the execution subtree under any turn or step.
+    Tree {
+        id: turnstile_shared::ExecutionId,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Cancel an execution and everything it owns (R7).
+    Cancel {
+        id: turnstile_shared::ExecutionId,
+        #[arg(long)]
+        json: bool,
+    },
+    /// An MCP server over stdio for agents: tools start_step, step_status, list_steps.
+    Mcp,
     /// An interactive fake coding-agent CLI, for tests and demos.
     MockAgent {
         /// Where conversations are kept (one JSONL transcript each).
@@ -72,6 +91,10 @@ fn main() -> ExitCode {
             Command::Dev(args) => dev::run(args).await,
             Command::Session(cmd) => session::run(&cli.nats.url, cmd).await,
             Command::Events(args) => events::run(&cli.nats.url, args).await,
+            Command::Step(cmd) => steps::run(&cli.nats.url, cmd).await,
+            Command::Tree { id, json } => steps::tree(&cli.nats.url, id, json).await,
+            Command::Cancel { id, json } => steps::cancel(&cli.nats.url, id, json).await,
+            Command::Mcp => mcp::run(&cli.nats.url).await,
             Command::MockAgent { .. } => Ok(ExitCode::SUCCESS),
         }
     });

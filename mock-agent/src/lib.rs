@@ -2,13 +2,26 @@
 //!
 //! The agent prints a banner and a `❯ ` prompt, accepts typed or bracketed-pasted messages,
 //! records each one to `<state_dir>/<conversation-id>.jsonl`, obeys `!sleep`, `!reply`,
-//! `!exit`, `!hang` directives and answers with a `● …` reply followed by a fresh prompt.
+//! `!exit`, `!hang` and `!step` directives and answers with a `● …` reply followed by a fresh prompt.
+//!
+//! Directives, one per line of a message (other lines are prose):
+//!
+//! - `!sleep DUR`: show the spinner for `DUR` (`500ms`, `2s`, `1.5`, `1m`, `1h`).
+//! - `!reply TEXT`: a reply line; any `!reply` replaces the default `ok: <first prose line>`.
+//! - `!exit [CODE]`: exit with `CODE` (default 0) without replying.
+//! - `!hang`: spin until the terminal goes away.
+//! - `!step NAME DUR [ok|fail] [--scope turn|run|detached] [--count N]`: run
+//!   `<turnstile> step start --name NAME [--scope S] [--count N] -- sleep SECS` (or
+//!   `sh -c "sleep SECS; exit 1"` for `fail`) and wait for it to exit, where `<turnstile>` is
+//!   `$TURNSTILE_BIN` or this executable. Each line it prints becomes a `step NAME: …` reply
+//!   line; a failure becomes `step NAME: start failed: …`. Neither replaces the default reply.
 
 mod directives;
 mod duration;
 mod input;
 mod session;
 mod spinner;
+mod step;
 mod terminal;
 mod transcript;
 

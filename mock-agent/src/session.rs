@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use crate::directives::{parse_line, render_echo, render_reply, Line, ReplyBuilder};
 use crate::input::InputMachine;
 use crate::spinner::spin;
+use crate::step;
 use crate::transcript::Transcript;
 
 /// The ready prompt. A screen whose cursor line is exactly this means "idle, send the next message".
@@ -64,6 +65,11 @@ impl<W: Write> Session<W> {
                 Line::Hang => {
                     // Only returns if the terminal goes away.
                     spin(&mut self.out, None)?;
+                }
+                Line::Step(spec) => {
+                    for text in step::start(spec) {
+                        reply.note(text);
+                    }
                 }
                 Line::Reply(_) | Line::Note(_) | Line::Prose(_) => {}
             }
@@ -176,6 +182,18 @@ mod tests {
         assert_eq!(code, 0);
         assert!(
             screen.ends_with("❯ !what\n● ok\n  unknown directive: !what\n❯ "),
+            "{screen:?}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn invalid_step_is_a_note_under_the_default_reply() {
+        let dir = temp_dir();
+        let (code, screen) = session_run(&dir, b"\x1b[200~go\r!step build soon\x1b[201~\r");
+        assert_eq!(code, 0);
+        assert!(
+            screen.ends_with("● ok: go\n  invalid directive: !step build soon (duration \"soon\" does not start with a number)\n❯ "),
             "{screen:?}"
         );
         std::fs::remove_dir_all(&dir).unwrap();

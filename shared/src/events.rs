@@ -21,6 +21,24 @@ pub mod kind {
     pub const TRANSPORT_REJECTED: &str = "transport.rejected";
     pub const TERMINAL_READY: &str = "terminal.ready";
     pub const HOST_UP: &str = "host.up";
+    pub const STEP_QUEUED: &str = "step.queued";
+    pub const STEP_RUNNING: &str = "step.running";
+    pub const STEP_COMPLETED: &str = "step.completed";
+    pub const STEP_FAILED: &str = "step.failed";
+    pub const STEP_CANCELLED: &str = "step.cancelled";
+    /// A completion was left for a session (owner or watcher).
+    pub const COMPLETION_ROUTED: &str = "completion.routed";
+    /// A completion addressed to a session that neither owns nor watches it (R8).
+    pub const COMPLETION_REJECTED: &str = "completion.rejected";
+    pub const DELIVERY_QUEUED: &str = "delivery.queued";
+    /// A delivery turn handed its completions over and they were acked.
+    pub const DELIVERY_COMPLETED: &str = "delivery.completed";
+    /// A delivery turn failed; its completions stay pending (R3).
+    pub const DELIVERY_FAILED: &str = "delivery.failed";
+    /// A call with missing, wrong or foreign credentials was refused.
+    pub const AUTH_REFUSED: &str = "auth.refused";
+    /// An unreadable message on the broker's ended queue was dead-lettered (R15).
+    pub const END_REJECTED: &str = "end.rejected";
 }
 
 #[derive(Debug, thiserror::Error)]

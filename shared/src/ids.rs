@@ -26,6 +26,15 @@ pub fn is_token(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
+/// A fresh secret for a session or step (two v4 uuids: 244 random bits). Never logged.
+pub fn new_secret() -> String {
+    format!(
+        "tok_{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
 macro_rules! prefixed_id {
     ($(#[$doc:meta])* $name:ident, $prefix:literal, $kind:literal) => {
         $(#[$doc])*
@@ -100,6 +109,111 @@ prefixed_id!(
     /// One lifecycle event on `TS_EVENTS`.
     EventId, "evt_", "event"
 );
+prefixed_id!(
+    /// One child execution started through the step API (a command, external work, ...).
+    StepId, "stp_", "step"
+);
+prefixed_id!(
+    /// One `delivery` lane item: pending completions handed to the agent as one turn.
+    DeliveryId, "dlv_", "delivery"
+);
+
+/// Any node of the execution tree: a turn (`trn_`, delivery turns included) or a step
+/// (`stp_`). Keeps its prefix, so the kind of node is visible in every id.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct ExecutionId(String);
+
+impl ExecutionId {
+    const PREFIXES: [&'static str; 2] = [TurnId::PREFIX, StepId::PREFIX];
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn as_step(&self) -> Option<StepId> {
+        self.0.parse().ok()
+    }
+
+    pub fn as_turn(&self) -> Option<TurnId> {
+        self.0.parse().ok()
+    }
+}
+
+impl fmt::Display for ExecutionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for ExecutionId {
+    type Err = IdError;
+    fn from_str(s: &str) -> Result<Self, IdError> {
+        let Some(rest) = Self::PREFIXES.iter().find_map(|p| s.strip_prefix(p)) else {
+            return Err(IdError::Prefix {
+                kind: "execution",
+                prefix: "trn_ or stp_",
+                value: s.to_string(),
+            });
+        };
+        if !is_token(rest) {
+            return Err(IdError::Chars {
+                kind: "execution",
+                value: s.to_string(),
+            });
+        }
+        Ok(Self(s.to_string()))
+    }
+}
+
+impl TryFrom<String> for ExecutionId {
+    type Error = IdError;
+    fn try_from(s: String) -> Result<Self, IdError> {
+        s.parse()
+    }
+}
+
+impl From<ExecutionId> for String {
+    fn from(id: ExecutionId) -> String {
+        id.0
+    }
+}
+
+impl From<TurnId> for ExecutionId {
+    fn from(id: TurnId) -> Self {
+        Self(id.into())
+    }
+}
+
+impl From<StepId> for ExecutionId {
+    fn from(id: StepId) -> Self {
+        Self(id.into())
+    }
+}
+
+impl From<&TurnId> for ExecutionId {
+    fn from(id: &TurnId) -> Self {
+        Self(id.to_string())
+    }
+}
+
+impl From<&StepId> for ExecutionId {
+    fn from(id: &StepId) -> Self {
+        Self(id.to_string())
+    }
+}
+
+impl DeliveryId {
+    /// The turn a delivery becomes once it holds the lane: derived, so a redelivered item
+    /// finds the turn its earlier attempt started (R14).
+    pub fn turn(&self) -> TurnId {
+        TurnId(format!(
+            "{}{}",
+            TurnId::PREFIX,
+            &self.0[DeliveryId::PREFIX.len()..]
+        ))
+    }
+}
 
 /// A host's name, as given to its transport agent with `--host`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -209,6 +323,20 @@ mod tests {
         let json = serde_json::to_string(&s).expect("serialize");
         assert_eq!(serde_json::from_str::<SessionId>(&json).expect("parse"), s);
         assert!(serde_json::from_str::<SessionId>("\"trn_x\"").is_err());
+    }
+
+    #[test]
+    fn execution_ids_take_turns_and_steps_only() {
+        let t = TurnId::new();
+        let e: ExecutionId = t.as_str().parse().expect("turn");
+        assert_eq!(e.as_turn(), Some(t));
+        let s = StepId::new();
+        let e = ExecutionId::from(&s);
+        assert_eq!(e.as_step(), Some(s));
+        assert!("ses_x".parse::<ExecutionId>().is_err());
+        assert!("stp_a.b".parse::<ExecutionId>().is_err());
+        let d = DeliveryId::new();
+        assert_eq!(d.turn().as_str()[4..], d.as_str()[4..]);
     }
 
     #[test]

@@ -134,6 +134,17 @@ impl Bucket {
         }
     }
 
+    /// Deletes the key only if it is still at `revision`; `Ok(false)` when someone wrote first.
+    pub async fn delete_at(&self, key: &str, revision: u64) -> Result<bool, KvError> {
+        match self.store.delete_expect_revision(key, Some(revision)).await {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == async_nats::jetstream::kv::DeleteErrorKind::WrongLastRevision => {
+                Ok(false)
+            }
+            Err(e) => Err(self.nats("delete", key, e)),
+        }
+    }
+
     /// Read-modify-write with retries on conflict. `f` sees the current value (or `None`) and
     /// decides; returns the value that is stored afterwards.
     pub async fn modify<T, F>(&self, key: &str, f: F) -> Result<Option<T>, KvError>

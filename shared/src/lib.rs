@@ -4,14 +4,20 @@
 pub mod api;
 pub mod config;
 pub mod deadletter;
+pub mod delivery;
 pub mod envelope;
+pub mod execution;
 pub mod events;
 pub mod ids;
 pub mod kv;
 pub mod records;
+pub mod service;
+pub mod step_api;
 pub mod subjects;
 pub mod telemetry;
 pub mod topology;
 
 pub use envelope::{Envelope, EnvelopeError, WIRE_VERSION};
-pub use ids::{ConversationId, EventId, HostName, IdError, SessionId, TurnId};
+pub use ids::{
+    ConversationId, DeliveryId, EventId, ExecutionId, HostName, IdError, SessionId, StepId, TurnId,
+};

@@ -5,7 +5,8 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::envelope::{Envelope, EnvelopeError};
-use crate::ids::{ConversationId, HostName, SessionId, TurnId};
+use crate::delivery::DeliveryItem;
+use crate::ids::{ConversationId, DeliveryId, ExecutionId, HostName, SessionId, TurnId};
 
 /// Which adapter drives a session's agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -93,8 +94,25 @@ pub struct TurnRecord {
     pub session: SessionId,
     pub text: String,
     pub queued_at: DateTime<Utc>,
+    /// Set on a delivery's turn: the completions it carries, recorded before it is typed so
+    /// a crash between its end and their acks never hands one over twice (R3, R14).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<Carried>,
     #[serde(flatten)]
     pub state: TurnState,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Carried {
+    pub delivery: DeliveryId,
+    pub completions: Vec<CarriedCompletion>,
+}
+
+/// One completion a delivery carries: its execution and its sequence in `TS_COMPLETION`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CarriedCompletion {
+    pub execution: ExecutionId,
+    pub seq: u64,
 }
 
 /// Queued until a transport types it; then Running; then one terminal state, never left.
@@ -145,6 +163,7 @@ impl TurnState {
 /// Lane item types (the envelope's `type`).
 pub mod lane_kind {
     pub const TURN: &str = "lane.turn";
+    pub const DELIVERY: &str = "lane.delivery";
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -153,10 +172,12 @@ pub struct TurnItem {
     pub text: String,
 }
 
-/// What a session's lane carries. Only turns so far; deliveries and runs join later.
+/// What a session's lane carries. Runs join later.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LaneItem {
     Turn(TurnItem),
+    /// Hand every pending completion over in one turn (R3).
+    Delivery(DeliveryItem),
 }
 
 impl LaneItem {
@@ -166,6 +187,9 @@ impl LaneItem {
                 .with_session(session)
                 .with_turn(&item.turn)
                 .with_id(item.turn.to_string())),
+            Self::Delivery(item) => Ok(Envelope::new(lane_kind::DELIVERY, item)?
+                .with_session(session)
+                .with_id(item.delivery.to_string())),
         }
     }
 
@@ -185,6 +209,7 @@ impl LaneItem {
                 }
                 Ok(Self::Turn(item))
             }
+            lane_kind::DELIVERY => Ok(Self::Delivery(env.data_as()?)),
             other => Err(LaneItemError::UnknownKind(other.to_string())),
         }
     }
@@ -267,6 +292,7 @@ mod tests {
             session: SessionId::new(),
             text: "x".into(),
             queued_at: Utc::now(),
+            delivery: None,
             state: TurnState::Failed {
                 ended_at: Utc::now(),
                 reason: reason::AGENT_EXITED.into(),

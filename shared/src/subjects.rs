@@ -1,7 +1,7 @@
 //! Every stream, bucket, consumer and subject name in Turnstile. Nothing else spells them, so
 //! the topology in `docs/topology.md` can be checked against one file.
 
-use crate::ids::{HostName, SessionId};
+use crate::ids::{ExecutionId, HostName, SessionId, StepId};
 
 pub const LANE_STREAM: &str = "TS_LANE";
 pub const TRANSPORT_STREAM: &str = "TS_TRANSPORT";
@@ -13,6 +13,10 @@ pub const DEADLETTER_STREAM: &str = "TS_DEADLETTER";
 pub const SESSIONS_BUCKET: &str = "ts_sessions";
 pub const TURNS_BUCKET: &str = "ts_turns";
 pub const HOSTS_BUCKET: &str = "ts_hosts";
+/// The execution registry: every turn and step with its exact parent (R6).
+pub const EXECUTIONS_BUCKET: &str = "ts_executions";
+/// One marker per session while a `delivery` lane item is waiting (never more than one).
+pub const DELIVERIES_BUCKET: &str = "ts_deliveries";
 
 /// The priority group every lane consumer pins one session-lane replica to.
 pub const LANE_GROUP: &str = "lane";
@@ -61,10 +65,70 @@ pub fn lane_deadletter(session: &SessionId) -> String {
     format!("ts.dlq.lane.{session}")
 }
 
+/// Where a completion refused by a session's delivery is kept (R8).
+pub fn completion_deadletter(session: &SessionId) -> String {
+    format!("ts.dlq.completion.{session}")
+}
+
 /// Where a refused transport command is kept, with the reason in a header.
 pub fn transport_deadletter(host: &HostName) -> String {
     format!("ts.dlq.transport.{host}")
 }
+
+/// A completion of `execution` addressed to `session` (its owner or a watcher, R8).
+pub fn completion(session: &SessionId, execution: &ExecutionId) -> String {
+    format!("ts.completion.{session}.{execution}")
+}
+
+pub fn completion_session_all(session: &SessionId) -> String {
+    format!("ts.completion.{session}.*")
+}
+
+pub fn completion_consumer(session: &SessionId) -> String {
+    format!("completion_{session}")
+}
+
+/// `command` step work for one host's transport agent.
+pub fn step_command(host: &HostName) -> String {
+    format!("ts.step.command.{host}")
+}
+
+pub fn step_command_consumer(host: &HostName) -> String {
+    format!("steps_{host}")
+}
+
+/// `external` step work; any worker serving `name` may take it.
+pub fn step_external(name: &str) -> String {
+    format!("ts.step.external.{name}")
+}
+
+pub fn step_external_consumer(name: &str) -> String {
+    format!("external_{name}")
+}
+
+/// The end of an execution (a report or a cancellation), consumed durably by the broker,
+/// which records it and routes its completions.
+pub fn step_ended(execution: &ExecutionId) -> String {
+    format!("ts.step.ended.{execution}")
+}
+
+pub const STEP_ENDED_ALL: &str = "ts.step.ended.*";
+pub const BROKER_ENDED_CONSUMER: &str = "broker_ended";
+
+/// Core NATS (not captured by any stream): tells a step's worker to stop now. Workers also
+/// learn it from their heartbeat replies, so a missed message costs one heartbeat period.
+pub fn step_cancel(step: &StepId) -> String {
+    format!("ts.control.step.{step}.cancel")
+}
+
+/// The stream behind the turns bucket, which the broker follows durably to mirror turns
+/// into the execution tree and end their `turn`-scoped work (R7).
+pub const TURNS_KV_STREAM: &str = "KV_ts_turns";
+pub const TURNS_KV_ALL: &str = "$KV.ts_turns.>";
+pub const BROKER_TURNS_CONSUMER: &str = "broker_turns";
+
+/// Where the broker keeps an unreadable execution end.
+pub const BROKER_DEADLETTER: &str = "ts.dlq.broker.ended";
 
 /// Request/reply APIs (NATS services), `ts.api.<area>.<verb>`.
 pub mod api {
@@ -75,6 +139,20 @@ pub mod api {
     pub const SESSION_STOP: &str = "ts.api.session.stop";
     pub const SESSION_LIST: &str = "ts.api.session.list";
     pub const SESSION_SHOW: &str = "ts.api.session.show";
+
+    pub const BROKER_SERVICE: &str = "turnstile-notification-broker";
+    pub const STEPS_GROUP: &str = "ts.api.steps";
+    /// Start a child execution (session or step credentials).
+    pub const STEPS_START: &str = "ts.api.steps.start";
+    /// A worker reports running / heartbeat / result with the step's own token.
+    pub const STEPS_REPORT: &str = "ts.api.steps.report";
+    pub const STEPS_STATUS: &str = "ts.api.steps.status";
+    pub const STEPS_LIST: &str = "ts.api.steps.list";
+    pub const EXEC_GROUP: &str = "ts.api.exec";
+    /// The subtree under any execution.
+    pub const EXEC_TREE: &str = "ts.api.exec.tree";
+    /// Cancel an execution and everything it owns (R7).
+    pub const EXEC_CANCEL: &str = "ts.api.exec.cancel";
 }
 
 /// Header on dead-lettered messages naming why they were refused.

@@ -77,6 +77,8 @@ pub struct Buckets {
     pub sessions: crate::kv::Bucket,
     pub turns: crate::kv::Bucket,
     pub hosts: crate::kv::Bucket,
+    pub executions: crate::kv::Bucket,
+    pub deliveries: crate::kv::Bucket,
 }
 
 fn stream_config(
@@ -148,6 +150,8 @@ pub async fn provision(
         bucket(subjects::SESSIONS_BUCKET, Duration::ZERO),
         bucket(subjects::TURNS_BUCKET, Duration::ZERO),
         bucket(subjects::HOSTS_BUCKET, cfg.host_ttl),
+        bucket(subjects::EXECUTIONS_BUCKET, Duration::ZERO),
+        bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO),
     ] {
         let name = config.bucket.clone();
         let store =
@@ -160,13 +164,17 @@ pub async fn provision(
         opened.push(crate::kv::Bucket::new(store, &name));
     }
     let mut it = opened.into_iter();
-    match (it.next(), it.next(), it.next()) {
-        (Some(sessions), Some(turns), Some(hosts)) => Ok(Buckets {
-            sessions,
-            turns,
-            hosts,
-        }),
-        _ => unreachable!("three buckets were opened above"),
+    match (it.next(), it.next(), it.next(), it.next(), it.next()) {
+        (Some(sessions), Some(turns), Some(hosts), Some(executions), Some(deliveries)) => {
+            Ok(Buckets {
+                sessions,
+                turns,
+                hosts,
+                executions,
+                deliveries,
+            })
+        }
+        _ => unreachable!("five buckets were opened above"),
     }
 }
 
@@ -209,6 +217,100 @@ pub async fn ensure_transport_consumer(
         ..Default::default()
     };
     create_consumer(js, subjects::TRANSPORT_STREAM, &name, config).await
+}
+
+/// A session's pending completions (R3): pulled in batches by its delivery turns, held
+/// unacked (with progress acks) until the turn that handed them over completed.
+pub async fn ensure_completion_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+    session: &SessionId,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = subjects::completion_consumer(session);
+    let config = consumer::pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subject: subjects::completion_session_all(session),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: cfg.lane_ack_wait,
+        max_ack_pending: 10_000,
+        max_deliver: -1,
+        ..Default::default()
+    };
+    create_consumer(js, subjects::COMPLETION_STREAM, &name, config).await
+}
+
+/// A host's `command` step work, taken by its transport agent.
+pub async fn ensure_step_command_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+    host: &HostName,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = subjects::step_command_consumer(host);
+    step_work_consumer(js, cfg, name, subjects::step_command(host)).await
+}
+
+/// The shared consumer of the workers serving one `external` step queue.
+pub async fn ensure_step_external_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+    queue: &str,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = subjects::step_external_consumer(queue);
+    step_work_consumer(js, cfg, name, subjects::step_external(queue)).await
+}
+
+async fn step_work_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+    name: String,
+    filter: String,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let config = consumer::pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subject: filter,
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: cfg.transport_ack_wait,
+        max_ack_pending: 100_000,
+        max_deliver: -1,
+        ..Default::default()
+    };
+    create_consumer(js, subjects::STEP_STREAM, &name, config).await
+}
+
+/// The broker's queue of execution ends to record and route (shared by its replicas).
+pub async fn ensure_ended_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = subjects::BROKER_ENDED_CONSUMER.to_string();
+    let config = consumer::pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subject: subjects::STEP_ENDED_ALL.to_string(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: cfg.transport_ack_wait,
+        max_ack_pending: 1_000,
+        max_deliver: -1,
+        ..Default::default()
+    };
+    create_consumer(js, subjects::STEP_STREAM, &name, config).await
+}
+
+/// The broker's durable view of every turn record change (mirror and R7 on turn end).
+pub async fn ensure_turns_mirror_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = subjects::BROKER_TURNS_CONSUMER.to_string();
+    let config = consumer::pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subject: subjects::TURNS_KV_ALL.to_string(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: cfg.transport_ack_wait,
+        max_ack_pending: 1_000,
+        max_deliver: -1,
+        ..Default::default()
+    };
+    create_consumer(js, subjects::TURNS_KV_STREAM, &name, config).await
 }
 
 async fn create_consumer(

@@ -1,13 +1,24 @@
-//! The notification-broker service: the execution registry and completion routing (issue 3
-//! fills it in). For now it connects and provisions the topology, so every service can run.
+//! The notification-broker service: the execution registry and tree (R6), the step API agents'
+//! tool calls use (authenticated by session or step token), completion routing to owners and
+//! watchers (R8), delivery arming (R3) and cancellation by ownership (R7).
+
+mod api;
+mod auth;
+mod ended;
+mod registry;
+mod turns;
+
+use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::topology::TopologyConfig;
+use turnstile_shared::config::{Connected, StartError};
+use turnstile_shared::topology::{Buckets, TopologyConfig};
 
 #[derive(Debug, Clone)]
 pub struct Config {
     pub nats_url: String,
     pub topology: TopologyConfig,
+    pub replica: String,
 }
 
 impl Config {
@@ -15,19 +26,47 @@ impl Config {
         Self {
             nats_url: nats_url.into(),
             topology: TopologyConfig::default(),
+            replica: format!("broker-{}", std::process::id()),
         }
     }
 }
 
-pub use turnstile_shared::config::StartError as Error;
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Start(#[from] StartError),
+    #[error("start API service: {0}")]
+    Api(async_nats::Error),
+}
 
-/// Connects, provisions, and idles until `shutdown` is cancelled.
+pub(crate) struct Ctx {
+    pub client: async_nats::Client,
+    pub js: async_nats::jetstream::Context,
+    pub buckets: Buckets,
+    pub topology: TopologyConfig,
+}
+
+/// Runs the broker until `shutdown` is cancelled. Several replicas may run: the API is a
+/// queue group, and the two durable consumers (execution ends, turn changes) share their work.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
-    let started =
-        turnstile_shared::config::start(&config.nats_url, "notification-broker", &config.topology)
-            .await?;
-    tracing::info!("notification-broker running");
-    shutdown.cancelled().await;
-    let _ = started.client.flush().await;
-    Ok(())
+    let Connected {
+        client,
+        js,
+        buckets,
+    } = turnstile_shared::config::start(&config.nats_url, &config.replica, &config.topology)
+        .await?;
+    let ctx = Arc::new(Ctx {
+        client,
+        js,
+        buckets,
+        topology: config.topology.clone(),
+    });
+    tracing::info!(replica = %config.replica, "notification-broker running");
+    let (api, (), ()) = tokio::join!(
+        api::serve(ctx.clone(), shutdown.clone()),
+        ended::run(ctx.clone(), shutdown.clone()),
+        turns::run(ctx.clone(), shutdown.clone()),
+    );
+    let _ = ctx.client.drain().await;
+    api
 }

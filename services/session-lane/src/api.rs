@@ -2,18 +2,14 @@
 //! replica answers; every change is a KV compare-and-set or an acknowledged publish (R14), and
 //! a bad request gets a clear error while the service keeps serving (R15).
 
-use std::future::Future;
 use std::sync::Arc;
 
 use async_nats::service::ServiceExt;
 use chrono::Utc;
-use futures::StreamExt;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{
-    ApiError, CreateSession, ListSessions, Reply, SendTurn, SessionRef, SessionView,
+    ApiError, CreateSession, ListSessions, SendTurn, SessionRef, SessionView,
 };
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, kind, session_event};
@@ -41,7 +37,7 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     macro_rules! endpoint {
         ($verb:literal, $handler:path) => {{
             let endpoint = group.endpoint($verb).await.map_err(Error::Api)?;
-            tasks.push(tokio::spawn(serve_endpoint(
+            tasks.push(tokio::spawn(turnstile_shared::service::serve_endpoint(
                 ctx.clone(),
                 endpoint,
                 shutdown.clone(),
@@ -57,50 +53,6 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     futures::future::join_all(tasks).await;
     let _ = service.stop().await;
     Ok(())
-}
-
-async fn serve_endpoint<Req, Resp, F, Fut>(
-    ctx: Arc<Ctx>,
-    mut endpoint: async_nats::service::endpoint::Endpoint,
-    shutdown: CancellationToken,
-    handler: F,
-) where
-    Req: DeserializeOwned + Send + 'static,
-    Resp: Serialize + Send + 'static,
-    F: Fn(Arc<Ctx>, Req) -> Fut + Copy + Send + Sync + 'static,
-    Fut: Future<Output = Result<Resp, ApiError>> + Send + 'static,
-{
-    loop {
-        let request = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return,
-            r = endpoint.next() => match r { Some(r) => r, None => return },
-        };
-        let ctx = ctx.clone();
-        tokio::spawn(async move {
-            let reply = match serde_json::from_slice::<Req>(&request.message.payload) {
-                Ok(req) => handler(ctx, req).await,
-                Err(e) => Err(ApiError::bad_request(format!(
-                    "invalid request on {}: {e}",
-                    request.message.subject
-                ))),
-            };
-            let body = match reply {
-                Ok(v) => serde_json::to_vec(&Reply::Ok(v)),
-                Err(e) => {
-                    tracing::info!(subject = %request.message.subject, error = %e, "request refused");
-                    serde_json::to_vec(&Reply::<()>::Error(e))
-                }
-            };
-            let body = body.unwrap_or_else(|e| {
-                format!("{{\"error\":{{\"code\":\"internal\",\"message\":\"encode reply: {e}\"}}}}")
-                    .into_bytes()
-            });
-            if let Err(e) = request.respond(Ok(body.into())).await {
-                tracing::debug!(error = %e, "reply");
-            }
-        });
-    }
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -166,7 +118,7 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
         agent: req.agent,
         host: host.clone(),
         cwd: req.cwd,
-        token: uuid_token(),
+        token: turnstile_shared::ids::new_secret(),
         created_at: Utc::now(),
         conversation: None,
         state: SessionState::Active,
@@ -203,14 +155,6 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
     Ok(record.redacted())
 }
 
-fn uuid_token() -> String {
-    format!(
-        "tok_{}{}",
-        uuid::Uuid::new_v4().simple(),
-        uuid::Uuid::new_v4().simple()
-    )
-}
-
 async fn active_session(ctx: &Ctx, id: &SessionId) -> Result<SessionRecord, ApiError> {
     match ctx.buckets.sessions.get::<SessionRecord>(id.as_str()).await {
         Ok(Some((r, _))) if r.is_active() => Ok(r),
@@ -237,6 +181,7 @@ async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
         session: session.id.clone(),
         text: req.text.clone(),
         queued_at: Utc::now(),
+        delivery: None,
         state: TurnState::Queued,
     };
     let record = match ctx
@@ -360,6 +305,7 @@ async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
                     session: session.clone(),
                     text: item.text.clone(),
                     queued_at: ended_at,
+                    delivery: None,
                     state: stopped_state(ended_at),
                 }),
             })
@@ -471,8 +417,10 @@ async fn in_flight_turn(
     seq: u64,
 ) -> Option<TurnRecord> {
     let msg = stream.direct_get(seq).await.ok()?;
-    let LaneItem::Turn(item) = LaneItem::decode(&msg.payload, session).ok()?;
-    let turn: TurnId = item.turn;
+    let turn: TurnId = match LaneItem::decode(&msg.payload, session).ok()? {
+        LaneItem::Turn(item) => item.turn,
+        LaneItem::Delivery(item) => item.delivery.turn(),
+    };
     ctx.buckets
         .turns
         .get::<TurnRecord>(turn.as_str())

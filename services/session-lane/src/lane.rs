@@ -60,6 +60,7 @@ async fn serve(
 ) -> Result<(), LaneError> {
     let name = subjects::lane_consumer(&session.id);
     let consumer = topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    topology::ensure_completion_consumer(&ctx.js, &ctx.topology, &session.id).await?;
     let expiry = ctx.topology.lane_pull_expiry();
     let mut messages = consumer
         .stream()
@@ -137,7 +138,7 @@ async fn serve(
 /// Gives a lane item back unacked. At process shutdown the nak waits until this replica's
 /// connection is closed (so the item cannot come straight back to one of its pull requests);
 /// otherwise (the session was stopped) it is sent at once.
-async fn release(ctx: &Ctx, msg: &jetstream::Message) {
+pub(crate) async fn release(ctx: &Ctx, msg: &jetstream::Message) {
     if ctx.shutdown.is_cancelled() {
         if let Some(reply) = &msg.reply {
             ctx.hand_back_item(reply.to_string());
@@ -155,13 +156,16 @@ async fn handle_item(
 ) {
     match LaneItem::decode(&msg.payload, &session.id) {
         Ok(LaneItem::Turn(item)) => run_turn(&ctx, &session, msg, item, &cancel).await,
+        Ok(LaneItem::Delivery(item)) => {
+            crate::delivery::run_delivery(&ctx, &session, msg, item, &cancel).await
+        }
         Err(e) => reject(&ctx, &session, &msg, &e.to_string()).await,
     }
 }
 
 /// R15: a lane item this build cannot take goes to the dead-letter subject with the reason, an
 /// event says so, and the lane moves on to the next item.
-async fn reject(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, reason: &str) {
+pub(crate) async fn reject(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, reason: &str) {
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
     let dlq = subjects::lane_deadletter(&session.id);
     let event = session_event(
@@ -207,13 +211,16 @@ async fn run_turn(
             return finish(ctx, session, &msg, &record).await;
         }
     }
-    if let Err(e) = dispatch(ctx, session, &msg, &item).await {
+    if let Err(e) = dispatch(ctx, session, &msg, &item.turn, &item.text).await {
         tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
         let _ = nak(Some(Duration::from_millis(500))).await;
         return;
     }
-    match wait_terminal(ctx, &msg, &item, waiter, cancel).await {
-        Some(record) => finish(ctx, session, &msg, &record).await,
+    match wait_terminal(ctx, &msg, &item.turn, waiter, cancel, &[]).await {
+        Some(record) => {
+            finish(ctx, session, &msg, &record).await;
+            crate::delivery::rearm_if_pending(ctx, &session.id);
+        }
         // Cancelled: hand the item back so the replica that takes the lane continues it.
         None => release(ctx, &msg).await,
     }
@@ -234,6 +241,7 @@ async fn current_record(
         session: session.id.clone(),
         text: item.text.clone(),
         queued_at: Utc::now(),
+        delivery: None,
         state: TurnState::Queued,
     };
     ctx.buckets.turns.create(key, &fresh).await?;
@@ -248,17 +256,18 @@ async fn current_record(
 
 /// `turn.started` and the transport command, sent together and both acknowledged (R14). The
 /// transport de-duplicates by turn id, so a repeat after a crash never types twice.
-async fn dispatch(
+pub(crate) async fn dispatch(
     ctx: &Ctx,
     session: &SessionRecord,
     msg: &jetstream::Message,
-    item: &TurnItem,
+    turn: &turnstile_shared::TurnId,
+    text: &str,
 ) -> Result<(), async_nats::Error> {
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
     let started = session_event(
         kind::TURN_STARTED,
         &session.id,
-        Some(&item.turn),
+        Some(turn),
         &json!({ "replica": ctx.replica, "host": session.host, "delivery": delivered }),
     )?;
     let event_ack = events::send(&ctx.js, &started).await?;
@@ -266,13 +275,13 @@ async fn dispatch(
         transport_kind::TURN,
         &TurnCommand {
             session: session.id.clone(),
-            turn: item.turn.clone(),
-            text: item.text.clone(),
+            turn: turn.clone(),
+            text: text.to_string(),
         },
     )?
     .with_session(&session.id)
-    .with_turn(&item.turn)
-    .with_id(item.turn.to_string());
+    .with_turn(turn)
+    .with_id(turn.to_string());
     let command_ack = events::send_to(
         &ctx.js,
         subjects::transport(&session.host, "turn"),
@@ -286,13 +295,15 @@ async fn dispatch(
     Ok(())
 }
 
-/// Waits for the transport to record the outcome, keeping the item alive with progress acks.
-async fn wait_terminal(
+/// Waits for the transport to record the outcome, keeping the item (and `held`, messages the
+/// turn carries) alive with progress acks.
+pub(crate) async fn wait_terminal(
     ctx: &Ctx,
     msg: &jetstream::Message,
-    item: &TurnItem,
+    turn: &turnstile_shared::TurnId,
     mut waiter: TurnWaiter,
     cancel: &CancellationToken,
+    held: &[jetstream::Message],
 ) -> Option<TurnRecord> {
     let period = ctx.topology.progress_interval();
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
@@ -313,10 +324,13 @@ async fn wait_terminal(
             }
             _ = tick.tick() => {
                 if let Err(e) = msg.ack_with(AckKind::Progress).await {
-                    tracing::debug!(turn = %item.turn, error = %e, "progress ack");
+                    tracing::debug!(%turn, error = %e, "progress ack");
+                }
+                for h in held {
+                    let _ = h.ack_with(AckKind::Progress).await;
                 }
                 // Fallback for a watch that missed an update across a reconnect.
-                if let Ok(Some((rec, _))) = ctx.buckets.turns.get::<TurnRecord>(item.turn.as_str()).await {
+                if let Ok(Some((rec, _))) = ctx.buckets.turns.get::<TurnRecord>(turn.as_str()).await {
                     if rec.state.is_terminal() {
                         return Some(rec);
                     }
@@ -327,7 +341,7 @@ async fn wait_terminal(
 }
 
 /// Emits the outcome event (derived from the durable record) and frees the lane.
-async fn finish(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, record: &TurnRecord) {
+pub(crate) async fn finish(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, record: &TurnRecord) {
     let event = match outcome_event(record) {
         Ok(ev) => Some(ev),
         Err(e) => {

@@ -2,6 +2,7 @@
 //! session's host. Several replicas may run; each lane is pinned to exactly one of them (R1).
 
 mod api;
+mod delivery;
 mod lane;
 mod supervisor;
 mod turn_watch;

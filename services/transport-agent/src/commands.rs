@@ -97,7 +97,7 @@ async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message) {
 
 /// R15: a command this build cannot read is dead-lettered with the reason and an event; the
 /// host's other commands go on.
-async fn refuse(ctx: &Ctx, msg: &jetstream::Message, reason: &str) {
+pub(crate) async fn refuse(ctx: &Ctx, msg: &jetstream::Message, reason: &str) {
     let host = &ctx.config.host;
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
     let dlq = subjects::transport_deadletter(host);
@@ -330,6 +330,7 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
                 session: cmd.session.clone(),
                 text: cmd.text.clone(),
                 queued_at: Utc::now(),
+                delivery: None,
                 state: TurnState::Queued,
             };
             ctx.buckets.turns.create(key, &fresh).await?;

@@ -5,6 +5,7 @@ mod adapter;
 mod commands;
 mod heartbeat;
 mod mock;
+mod steps;
 mod tmux;
 
 use std::collections::{HashMap, HashSet};
@@ -76,6 +77,7 @@ pub enum Error {
 }
 
 pub(crate) struct Ctx {
+    pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     pub buckets: Buckets,
     pub config: Config,
@@ -85,6 +87,25 @@ pub(crate) struct Ctx {
     pub active: Mutex<HashSet<TurnId>>,
     pub stopped: Mutex<HashSet<SessionId>>,
     pub launch_locks: Mutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
+    /// Names this process to the broker when it takes a step (one per process start).
+    pub worker: String,
+    /// Steps this process is running: a redelivery of one is a duplicate.
+    pub running_steps: Mutex<HashSet<turnstile_shared::StepId>>,
+}
+
+impl Ctx {
+    pub fn running_steps_insert(&self, step: &turnstile_shared::StepId) -> bool {
+        self.running_steps
+            .lock()
+            .map(|mut s| s.insert(step.clone()))
+            .unwrap_or(false)
+    }
+
+    pub fn running_steps_remove(&self, step: &turnstile_shared::StepId) {
+        if let Ok(mut s) = self.running_steps.lock() {
+            s.remove(step);
+        }
+    }
 }
 
 /// Runs the transport agent until `shutdown` is cancelled.
@@ -117,7 +138,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         }),
     );
     adapters.insert(AgentKind::Instant, Arc::new(InstantAdapter));
+    let worker = format!("{}/{}", config.host, uuid::Uuid::now_v7().simple());
     let ctx = Arc::new(Ctx {
+        client: client.clone(),
         js,
         buckets,
         config,
@@ -126,11 +149,14 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         active: Mutex::default(),
         stopped: Mutex::default(),
         launch_locks: Mutex::default(),
+        worker,
+        running_steps: Mutex::default(),
     });
     tracing::info!(host = %ctx.config.host, "transport agent running");
     let beat = heartbeat::run(ctx.clone(), shutdown.clone());
     let cmds = commands::run(ctx.clone(), shutdown.clone());
-    let (beat, cmds) = tokio::join!(beat, cmds);
+    let steps = steps::run(ctx.clone(), shutdown.clone());
+    let (beat, cmds, steps) = tokio::join!(beat, cmds, steps);
     let _ = client.drain().await;
-    beat.and(cmds)
+    beat.and(cmds).and(steps)
 }

@@ -1,0 +1,241 @@
+//! `turnstile step ...`, `turnstile tree` and `turnstile cancel`: thin calls to the broker's
+//! step and execution APIs. `step` acts with the credentials the caller was launched with
+//! (`TURNSTILE_SESSION` + `TURNSTILE_TOKEN`, or `TURNSTILE_STEP` + `TURNSTILE_STEP_TOKEN`).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Subcommand;
+use turnstile_shared::api;
+use turnstile_shared::execution::{ExecutionRecord, Scope};
+use turnstile_shared::step_api::{
+    Caller, Cancelled, ExecRef, ListSteps, StartStep, StepKind, StepStatus, TreeNode,
+};
+use turnstile_shared::subjects::api as subj;
+use turnstile_shared::{ExecutionId, StepId};
+
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// `--count` ceiling: one call starts at most this many steps.
+const MAX_COUNT: u32 = 10_000;
+
+#[derive(Subcommand)]
+pub enum StepCommand {
+    /// Start a child execution of the turn your session's lane holds now; prints its id.
+    Start {
+        #[arg(long)]
+        name: String,
+        /// `turn` (dies with the turn), `run` (lives until its run ends) or `detached`.
+        #[arg(long, default_value = "turn")]
+        scope: Scope,
+        /// `command` (run CMD on the session's host) or `external` (for a worker on --queue).
+        #[arg(long, default_value = "command")]
+        kind: String,
+        /// The `external` work queue.
+        #[arg(long)]
+        queue: Option<String>,
+        /// JSON input for an `external` step.
+        #[arg(long)]
+        input: Option<String>,
+        /// Start this many identical steps (named NAME-1 .. NAME-N).
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long)]
+        json: bool,
+        /// The command and its arguments (after `--`).
+        #[arg(last = true)]
+        command: Vec<String>,
+    },
+    /// One step you own or watch.
+    Status {
+        id: StepId,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Your session's steps, newest first.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn caller() -> anyhow::Result<Caller> {
+    Caller::from_env().context(
+        "no credentials: set TURNSTILE_SESSION and TURNSTILE_TOKEN (an agent's terminal has \
+         them), or TURNSTILE_STEP and TURNSTILE_STEP_TOKEN (a step's process has them)",
+    )
+}
+
+pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
+    let client = turnstile_shared::config::connect_once(url, "turnstile-step").await?;
+    match cmd {
+        StepCommand::Start {
+            name,
+            scope,
+            kind,
+            queue,
+            input,
+            count,
+            json,
+            command,
+        } => {
+            if count == 0 || count > MAX_COUNT {
+                anyhow::bail!("--count must be 1..={MAX_COUNT}");
+            }
+            let work = match kind.as_str() {
+                "command" => {
+                    if command.is_empty() {
+                        anyhow::bail!("a command step needs the command after `--`");
+                    }
+                    StepKind::Command { argv: command }
+                }
+                "external" => StepKind::External {
+                    queue: queue.context("an external step needs --queue")?,
+                    input: match input {
+                        Some(s) => serde_json::from_str(&s).context("--input is not JSON")?,
+                        None => serde_json::Value::Null,
+                    },
+                },
+                other => anyhow::bail!("unknown step kind {other:?} (known: command, external)"),
+            };
+            let caller = caller()?;
+            let names: Vec<String> = if count == 1 {
+                vec![name]
+            } else {
+                (1..=count).map(|i| format!("{name}-{i}")).collect()
+            };
+            // Started concurrently, a bounded number at a time.
+            let mut started = Vec::with_capacity(names.len());
+            for chunk in names.chunks(64) {
+                let calls = chunk.iter().map(|n| {
+                    let req = StartStep {
+                        caller: caller.clone(),
+                        name: n.clone(),
+                        scope,
+                        work: work.clone(),
+                        id: Some(StepId::new()),
+                    };
+                    let client = client.clone();
+                    async move {
+                        api::call::<_, ExecutionRecord>(&client, subj::STEPS_START, &req, API_TIMEOUT)
+                            .await
+                    }
+                });
+                for r in futures::future::join_all(calls).await {
+                    started.push(r?);
+                }
+            }
+            for rec in &started {
+                if json {
+                    println!("{}", serde_json::to_string(rec)?);
+                } else {
+                    println!("{} started", rec.id);
+                }
+            }
+        }
+        StepCommand::Status { id, json } => {
+            let req = StepStatus {
+                caller: caller()?,
+                step: id,
+            };
+            let rec: ExecutionRecord =
+                api::call(&client, subj::STEPS_STATUS, &req, API_TIMEOUT).await?;
+            if json {
+                println!("{}", serde_json::to_string(&rec)?);
+            } else {
+                println!("{}", line(&rec));
+            }
+        }
+        StepCommand::List { json } => {
+            let req = ListSteps { caller: caller()? };
+            let recs: Vec<ExecutionRecord> =
+                api::call(&client, subj::STEPS_LIST, &req, API_TIMEOUT).await?;
+            if json {
+                println!("{}", serde_json::to_string(&recs)?);
+            } else {
+                for r in &recs {
+                    println!("{}", line(r));
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `turnstile tree ID [--json]`.
+pub async fn tree(url: &str, id: ExecutionId, json: bool) -> anyhow::Result<ExitCode> {
+    let client = turnstile_shared::config::connect_once(url, "turnstile-cli").await?;
+    let node: TreeNode = api::call(&client, subj::EXEC_TREE, &ExecRef { id }, API_TIMEOUT).await?;
+    if json {
+        println!("{}", serde_json::to_string(&node)?);
+    } else {
+        print_tree(&node, 0);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `turnstile cancel ID`.
+pub async fn cancel(url: &str, id: ExecutionId, json: bool) -> anyhow::Result<ExitCode> {
+    let client = turnstile_shared::config::connect_once(url, "turnstile-cli").await?;
+    let out: Cancelled =
+        api::call(&client, subj::EXEC_CANCEL, &ExecRef { id }, API_TIMEOUT).await?;
+    if json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else if out.cancelled.is_empty() {
+        println!("nothing to cancel (already ended)");
+    } else {
+        for id in &out.cancelled {
+            println!("{id} cancelled");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_tree(node: &TreeNode, depth: usize) {
+    let open = if node.record.status.is_terminal() && !node.settled {
+        "  (children still running)"
+    } else {
+        ""
+    };
+    println!("{}{}{open}", "  ".repeat(depth), line(&node.record));
+    for child in &node.nodes {
+        print_tree(child, depth + 1);
+    }
+}
+
+/// `id  kind  status  duration  name  [scope]`.
+fn line(r: &ExecutionRecord) -> String {
+    let duration = match (r.status.started_at(), r.status.ended_at()) {
+        (Some(s), Some(e)) => human((e - s).to_std().unwrap_or_default()),
+        (Some(s), None) => format!(
+            "{} so far",
+            human((chrono::Utc::now() - s).to_std().unwrap_or_default())
+        ),
+        _ => "-".to_string(),
+    };
+    let kind = serde_json::to_value(r.kind)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    format!(
+        "{}  {:<8} {:<9} {:>10}  {}  [{}]  {}",
+        r.id,
+        kind,
+        r.status.name(),
+        duration,
+        r.name,
+        r.scope,
+        r.status.summary()
+    )
+}
+
+fn human(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1_000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    } else {
+        format!("{}m{:02}s", ms / 60_000, (ms / 1000) % 60)
+    }
+}

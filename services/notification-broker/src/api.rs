@@ -1,0 +1,497 @@
+//! The `ts.api.steps.*` and `ts.api.exec.*` services. Steps are parented to the turn the
+//! caller's lane holds at that moment (R6), never to "whatever runs in that session"; every
+//! call that acts for a session or step is authenticated by its token.
+
+use std::sync::Arc;
+
+use async_nats::service::ServiceExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::api::ApiError;
+use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::execution::{ExecKind, ExecStatus, ExecutionRecord, Scope, StepWork};
+use turnstile_shared::ids::{is_token, new_secret};
+use turnstile_shared::kv::Change;
+use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::service::serve_endpoint;
+use turnstile_shared::step_api::{
+    Cancelled, Ended, ExecRef, ListSteps, Report, ReportAck, StartStep, StepKind, StepReport,
+    StepStatus, StepWorkItem, TreeNode,
+};
+use turnstile_shared::execution::exec_reason;
+use turnstile_shared::{subjects, ExecutionId};
+
+use crate::auth::{authenticate, same_secret, Identity};
+use crate::registry::{self, Reach};
+use crate::{Ctx, Error};
+
+const MAX_NAME: usize = 200;
+const MAX_ARGV: usize = 64 * 1024;
+const LIST_LIMIT: usize = 200;
+
+pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
+    let service = ctx
+        .client
+        .service_builder()
+        .description("Turnstile steps and the execution tree")
+        .start(subjects::api::BROKER_SERVICE, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(Error::Api)?;
+    let steps = service.group(subjects::api::STEPS_GROUP);
+    let exec = service.group(subjects::api::EXEC_GROUP);
+    let mut tasks = Vec::new();
+    macro_rules! endpoint {
+        ($group:ident, $verb:literal, $handler:path) => {{
+            let endpoint = $group.endpoint($verb).await.map_err(Error::Api)?;
+            tasks.push(tokio::spawn(serve_endpoint(
+                ctx.clone(),
+                endpoint,
+                shutdown.clone(),
+                $handler,
+            )));
+        }};
+    }
+    endpoint!(steps, "start", start);
+    endpoint!(steps, "report", report);
+    endpoint!(steps, "status", status);
+    endpoint!(steps, "list", list);
+    endpoint!(exec, "tree", tree);
+    endpoint!(exec, "cancel", cancel);
+    futures::future::join_all(tasks).await;
+    let _ = service.stop().await;
+    Ok(())
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::internal(e.to_string())
+}
+
+/// Where a new step hangs in the tree and who owns it.
+struct Placement {
+    parent: ExecutionRecord,
+    session: SessionRecord,
+    owner: Option<turnstile_shared::SessionId>,
+    watchers: Vec<turnstile_shared::SessionId>,
+}
+
+async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement, ApiError> {
+    match identity {
+        Identity::Session(session) => {
+            let turn = registry::lane_occupant(ctx, &session.id)
+                .await
+                .map_err(internal)?
+                .ok_or_else(|| no_turn(&session.id))?;
+            let record = ctx
+                .buckets
+                .turns
+                .get::<TurnRecord>(turn.as_str())
+                .await
+                .map_err(internal)?
+                .map(|(r, _)| r)
+                .filter(|r| r.session == session.id && matches!(r.state, TurnState::Running { .. }))
+                .ok_or_else(|| no_turn(&session.id))?;
+            let parent = registry::mirror_turn(ctx, &record)
+                .await
+                .map_err(internal)?
+                .ok_or_else(|| no_turn(&session.id))?;
+            let (owner, watchers) = match scope {
+                Scope::Detached => (None, vec![session.id.clone()]),
+                _ => (Some(session.id.clone()), Vec::new()),
+            };
+            Ok(Placement {
+                parent,
+                session,
+                owner,
+                watchers,
+            })
+        }
+        Identity::Step(parent) => {
+            if parent.status.is_terminal() {
+                return Err(ApiError::new(
+                    "parent_ended",
+                    format!("step {} has ended; it cannot start steps", parent.id),
+                ));
+            }
+            let session = ctx
+                .buckets
+                .sessions
+                .get::<SessionRecord>(parent.session.as_str())
+                .await
+                .map_err(internal)?
+                .map(|(r, _)| r)
+                .ok_or_else(|| ApiError::not_found(format!("no session {}", parent.session)))?;
+            let (owner, watchers) = match scope {
+                Scope::Detached => (None, parent.targets()),
+                _ => (parent.owner.clone(), parent.watchers.clone()),
+            };
+            Ok(Placement {
+                parent,
+                session,
+                owner,
+                watchers,
+            })
+        }
+    }
+}
+
+fn no_turn(session: &turnstile_shared::SessionId) -> ApiError {
+    ApiError::new(
+        "no_turn",
+        format!("session {session} holds no running turn: steps start from inside a turn"),
+    )
+}
+
+fn validate(req: &StartStep) -> Result<(), ApiError> {
+    if req.name.trim().is_empty() || req.name.len() > MAX_NAME {
+        return Err(ApiError::bad_request(format!(
+            "step name must be 1-{MAX_NAME} bytes"
+        )));
+    }
+    match &req.work {
+        StepKind::Command { argv } => {
+            if argv.is_empty() || argv[0].is_empty() {
+                return Err(ApiError::bad_request("command step needs a program to run"));
+            }
+            if argv.iter().map(String::len).sum::<usize>() > MAX_ARGV {
+                return Err(ApiError::bad_request("command line too long"));
+            }
+        }
+        StepKind::External { queue, .. } => {
+            if !is_token(queue) {
+                return Err(ApiError::bad_request(format!(
+                    "external queue {queue:?} must be letters, digits, '-' or '_'"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiError> {
+    validate(&req)?;
+    let identity = authenticate(&ctx, &req.caller, "start step").await?;
+    let placement = place(&ctx, identity, req.scope).await?;
+    let step = req.id.clone().unwrap_or_default();
+    let exec_id = ExecutionId::from(&step);
+    if let Some(existing) = registry::get(&ctx, &exec_id).await.map_err(internal)? {
+        // A retry of the same start returns it; anything else is re-registration (R8).
+        if existing.session == placement.session.id && existing.name == req.name {
+            return Ok(existing.redacted());
+        }
+        return Err(ApiError::new(
+            "foreign_execution",
+            format!("execution {exec_id} is already registered elsewhere"),
+        ));
+    }
+    let work = match &req.work {
+        StepKind::Command { argv } => StepWork::Command {
+            argv: argv.clone(),
+            host: placement.session.host.clone(),
+            cwd: placement.session.cwd.clone(),
+        },
+        StepKind::External { queue, input } => StepWork::External {
+            queue: queue.clone(),
+            input: input.clone(),
+        },
+    };
+    let record = ExecutionRecord {
+        id: exec_id.clone(),
+        kind: ExecKind::Step,
+        name: req.name.trim().to_string(),
+        parent: Some(placement.parent.id.clone()),
+        scope: req.scope,
+        session: placement.session.id.clone(),
+        owner: placement.owner,
+        watchers: placement.watchers,
+        created_at: chrono::Utc::now(),
+        work: Some(work.clone()),
+        token: Some(new_secret()),
+        children: Vec::new(),
+        status: ExecStatus::Queued,
+    };
+    // Index first, then the record: a crash between leaves a dangling index entry (skipped
+    // by the tree walk), never a child its parent does not know.
+    registry::add_child(&ctx, &placement.parent.id, &exec_id)
+        .await
+        .map_err(internal)?;
+    let created = ctx
+        .buckets
+        .executions
+        .create(exec_id.as_str(), &record)
+        .await
+        .map_err(internal)?;
+    if created.is_none() {
+        return Err(ApiError::new(
+            "foreign_execution",
+            format!("execution {exec_id} was registered concurrently"),
+        ));
+    }
+    let item = StepWorkItem {
+        step: step.clone(),
+        token: record.token.clone().unwrap_or_default(),
+        session: record.session.clone(),
+        name: record.name.clone(),
+        work: work.clone(),
+    };
+    let subject = match &work {
+        StepWork::Command { host, .. } => subjects::step_command(host),
+        StepWork::External { queue, .. } => subjects::step_external(queue),
+    };
+    let env = item.envelope().map_err(internal)?;
+    events::publish_durable(&ctx.js, subject, &env, None)
+        .await
+        .map_err(internal)?;
+    step_event(&ctx, &record, kind::STEP_QUEUED).await;
+    Ok(record.redacted())
+}
+
+/// `step.<status>` on the session the step belongs to, de-duplicated per (step, status).
+pub(crate) async fn step_event(ctx: &Ctx, record: &ExecutionRecord, k: &str) {
+    let data = json!({
+        "execution": record.id,
+        "name": record.name,
+        "parent": record.parent,
+        "scope": record.scope,
+        "owner": record.owner,
+        "watchers": record.watchers,
+        "status": record.status,
+    });
+    let ev = session_event(k, &record.session, None, &data)
+        .map(|e| e.with_id(format!("{}:{k}", record.id)));
+    match ev {
+        Ok(ev) => {
+            if let Err(e) = events::publish(&ctx.js, &ev).await {
+                tracing::warn!(execution = %record.id, error = %e, "step event");
+            }
+        }
+        Err(e) => tracing::warn!(execution = %record.id, error = %e, "build step event"),
+    }
+}
+
+async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {
+    let exec_id = ExecutionId::from(&req.step);
+    let record = registry::get(&ctx, &exec_id).await.map_err(internal)?;
+    let authentic = record
+        .as_ref()
+        .and_then(|r| r.token.as_deref())
+        .is_some_and(|t| same_secret(t, &req.token));
+    if !authentic {
+        let caller = turnstile_shared::step_api::Caller {
+            session: None,
+            step: Some(req.step.clone()),
+            token: req.token.clone(),
+        };
+        // Let authenticate build and record the refusal with its reason.
+        return match authenticate(&ctx, &caller, "report step").await {
+            Ok(_) => Err(ApiError::new("unauthorized", "report refused")),
+            Err(e) => Err(e),
+        };
+    }
+    let record = record.ok_or_else(|| ApiError::not_found(format!("no step {}", req.step)))?;
+    if record.status.is_terminal() {
+        return Ok(ack(&record.status));
+    }
+    match req.report {
+        Report::Started { worker } => started(&ctx, record, worker).await,
+        Report::Heartbeat => heartbeat(&ctx, &record).await,
+        Report::Completed { result } => {
+            let ended = Ended {
+                execution: record.id.clone(),
+                status: ExecStatus::Completed {
+                    started_at: record.status.started_at(),
+                    ended_at: chrono::Utc::now(),
+                    result,
+                },
+            };
+            registry::publish_end(&ctx, &ended).await.map_err(internal)?;
+            Ok(ack(&ended.status))
+        }
+        Report::Failed { reason, result } => {
+            let ended = Ended {
+                execution: record.id.clone(),
+                status: ExecStatus::Failed {
+                    started_at: record.status.started_at(),
+                    ended_at: chrono::Utc::now(),
+                    reason,
+                    result,
+                },
+            };
+            registry::publish_end(&ctx, &ended).await.map_err(internal)?;
+            Ok(ack(&ended.status))
+        }
+    }
+}
+
+fn ack(status: &ExecStatus) -> ReportAck {
+    ReportAck {
+        status: status.name().to_string(),
+        stop: status.is_terminal(),
+    }
+}
+
+/// A worker takes the step. A second attempt (its first worker died with it) is refused and
+/// the step fails `worker_lost`: a step never runs twice (R14).
+async fn started(
+    ctx: &Ctx,
+    record: ExecutionRecord,
+    worker: String,
+) -> Result<ReportAck, ApiError> {
+    if let ExecStatus::Running { worker: Some(w), .. } = &record.status {
+        if *w == worker {
+            return Ok(ack(&record.status));
+        }
+        let ended = Ended {
+            execution: record.id.clone(),
+            status: ExecStatus::Failed {
+                started_at: record.status.started_at(),
+                ended_at: chrono::Utc::now(),
+                reason: exec_reason::WORKER_LOST.to_string(),
+                result: turnstile_shared::execution::StepResult {
+                    exit_code: None,
+                    summary: format!("worker {w} was lost while running it; not run again"),
+                    output: Vec::new(),
+                },
+            },
+        };
+        registry::publish_end(ctx, &ended).await.map_err(internal)?;
+        return Ok(ack(&ended.status));
+    }
+    let now = chrono::Utc::now();
+    let next = ctx
+        .buckets
+        .executions
+        .modify::<ExecutionRecord, _>(record.id.as_str(), |cur| match cur {
+            Some(r) if r.status == ExecStatus::Queued => Change::Write(ExecutionRecord {
+                status: ExecStatus::Running {
+                    started_at: now,
+                    worker: Some(worker.clone()),
+                    heartbeat_at: Some(now),
+                },
+                ..r.clone()
+            }),
+            _ => Change::Keep,
+        })
+        .await
+        .map_err(internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no step {}", record.id)))?;
+    match &next.status {
+        ExecStatus::Running { worker: Some(w), .. } if *w == worker => {
+            step_event(ctx, &next, kind::STEP_RUNNING).await;
+            Ok(ReportAck {
+                status: next.status.name().to_string(),
+                stop: false,
+            })
+        }
+        // Another attempt won the race, or it ended meanwhile: this worker must not run it.
+        other => Ok(ReportAck {
+            status: other.name().to_string(),
+            stop: true,
+        }),
+    }
+}
+
+async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, ApiError> {
+    let now = chrono::Utc::now();
+    let next = ctx
+        .buckets
+        .executions
+        .modify::<ExecutionRecord, _>(record.id.as_str(), |cur| match cur {
+            Some(r) => match &r.status {
+                ExecStatus::Running {
+                    started_at, worker, ..
+                } => Change::Write(ExecutionRecord {
+                    status: ExecStatus::Running {
+                        started_at: *started_at,
+                        worker: worker.clone(),
+                        heartbeat_at: Some(now),
+                    },
+                    ..r.clone()
+                }),
+                _ => Change::Keep,
+            },
+            None => Change::Keep,
+        })
+        .await
+        .map_err(internal)?;
+    Ok(next.map_or(
+        ReportAck {
+            status: "unknown".into(),
+            stop: true,
+        },
+        |r| ack(&r.status),
+    ))
+}
+
+async fn status(ctx: Arc<Ctx>, req: StepStatus) -> Result<ExecutionRecord, ApiError> {
+    let identity = authenticate(&ctx, &req.caller, "step status").await?;
+    let record = registry::get(&ctx, &ExecutionId::from(&req.step))
+        .await
+        .map_err(internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no step {}", req.step)))?;
+    let visible = match &identity {
+        Identity::Session(s) => record.session == s.id || record.may_receive(&s.id),
+        Identity::Step(p) => record.session == p.session,
+    };
+    if !visible {
+        return Err(ApiError::not_found(format!("no step {}", req.step)));
+    }
+    Ok(record.redacted())
+}
+
+/// The caller session's steps, newest first (a scan of the registry; bounded).
+async fn list(ctx: Arc<Ctx>, req: ListSteps) -> Result<Vec<ExecutionRecord>, ApiError> {
+    let identity = authenticate(&ctx, &req.caller, "list steps").await?;
+    let session = match &identity {
+        Identity::Session(s) => s.id.clone(),
+        Identity::Step(p) => p.session.clone(),
+    };
+    let mut steps: Vec<ExecutionRecord> = ctx
+        .buckets
+        .executions
+        .values::<ExecutionRecord>()
+        .await
+        .map_err(internal)?
+        .into_iter()
+        .filter(|r| r.kind == ExecKind::Step && (r.session == session || r.may_receive(&session)))
+        .map(|r| r.redacted())
+        .collect();
+    steps.sort_by(|a, b| b.created_at.cmp(&a.created_at));
+    steps.truncate(LIST_LIMIT);
+    Ok(steps)
+}
+
+async fn tree(ctx: Arc<Ctx>, req: ExecRef) -> Result<TreeNode, ApiError> {
+    registry::tree(&ctx, &req.id)
+        .await
+        .map_err(internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no execution {}", req.id)))
+}
+
+/// Cancels an execution and everything it owns (R7). A turn itself is not interrupted (its
+/// agent finishes typing its reply); what the turn owns is cancelled.
+async fn cancel(ctx: Arc<Ctx>, req: ExecRef) -> Result<Cancelled, ApiError> {
+    let record = registry::get(&ctx, &req.id)
+        .await
+        .map_err(internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no execution {}", req.id)))?;
+    let mut cancelled = Vec::new();
+    match record.kind {
+        ExecKind::Step => {
+            if !record.status.is_terminal() {
+                let ended = Ended::cancelled(
+                    record.id.clone(),
+                    exec_reason::CANCELLED,
+                    record.status.started_at(),
+                );
+                registry::publish_end(&ctx, &ended).await.map_err(internal)?;
+                cancelled.push(record.id.clone());
+            }
+        }
+        ExecKind::Turn | ExecKind::Delivery => {
+            cancelled = registry::cancel_under(&ctx, &record, Reach::Owned, exec_reason::CANCELLED)
+                .await
+                .map_err(internal)?;
+        }
+    }
+    Ok(Cancelled { cancelled })
+}

@@ -1,0 +1,201 @@
+//! The one writer of terminal execution states. Ends (worker reports, cancellations) arrive on
+//! the durable `ts.step.ended.*` queue; each is recorded by compare-and-set (the first end
+//! wins), its workers and owned children are told, and one completion per target session is
+//! left on `TS_COMPLETION` and a delivery armed (R3, R7, R8). Only then is it acked, so a
+//! crash at any point redoes the idempotent rest (R14).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use futures::StreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::delivery::{self, Completion};
+use turnstile_shared::envelope::Envelope;
+use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::execution::{exec_reason, ExecStatus, ExecutionRecord};
+use turnstile_shared::kv::Change;
+use turnstile_shared::records::SessionRecord;
+use turnstile_shared::step_api::{step_kind, Ended};
+use turnstile_shared::{subjects, topology};
+
+use crate::api::step_event;
+use crate::registry::{self, Reach};
+use crate::Ctx;
+
+pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
+    let mut delay = Duration::from_millis(100);
+    while !shutdown.is_cancelled() {
+        match consume(&ctx, &shutdown).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "ended queue interrupted; resuming");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
+    let consumer = topology::ensure_ended_consumer(&ctx.js, &ctx.topology).await?;
+    let mut messages = consumer.messages().await?;
+    loop {
+        let msg = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            m = messages.next() => match m {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => { tracing::debug!(error = %e, "ended pull"); continue; }
+                None => return Err("ended pull stream ended".into()),
+            },
+        };
+        let ctx = ctx.clone();
+        tokio::spawn(async move { handle(&ctx, msg).await });
+    }
+}
+
+async fn handle(ctx: &Ctx, msg: jetstream::Message) {
+    let ended = match Envelope::decode(&msg.payload)
+        .and_then(|env| env.expect_kind(step_kind::ENDED).map(|()| env))
+        .and_then(|env| env.data_as::<Ended>())
+    {
+        Ok(e) => e,
+        Err(e) => {
+            let reason = e.to_string();
+            let data = json!({ "reason": reason, "subject": msg.subject.as_str() });
+            match Envelope::new(kind::END_REJECTED, &data) {
+                Ok(ev) => {
+                    let dlq = subjects::BROKER_DEADLETTER.to_string();
+                    turnstile_shared::deadletter::refuse(&ctx.js, &msg, dlq, &reason, &ev).await
+                }
+                Err(e) => tracing::error!(error = %e, "build end.rejected"),
+            }
+            return;
+        }
+    };
+    match record_end(ctx, &ended).await {
+        Ok(()) => {
+            if let Err(e) = msg.double_ack().await {
+                tracing::debug!(execution = %ended.execution, error = %e, "ack end");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(execution = %ended.execution, error = %e, "record end; retrying");
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_millis(500)))).await;
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum EndError {
+    #[error(transparent)]
+    Kv(#[from] turnstile_shared::kv::KvError),
+    #[error(transparent)]
+    Registry(#[from] registry::RegistryError),
+    #[error(transparent)]
+    Publish(#[from] events::PublishError),
+    #[error(transparent)]
+    Envelope(#[from] turnstile_shared::EnvelopeError),
+    #[error(transparent)]
+    Arm(#[from] delivery::ArmError),
+}
+
+async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
+    let record = ctx
+        .buckets
+        .executions
+        .modify::<ExecutionRecord, _>(ended.execution.as_str(), |cur| match cur {
+            Some(r) if !r.status.is_terminal() => Change::Write(ExecutionRecord {
+                status: with_start(&ended.status, r.status.started_at()),
+                ..r.clone()
+            }),
+            _ => Change::Keep,
+        })
+        .await?;
+    let Some(record) = record else {
+        tracing::warn!(execution = %ended.execution, "end of an unknown execution; dropped");
+        return Ok(());
+    };
+    let k = match &record.status {
+        ExecStatus::Completed { .. } => kind::STEP_COMPLETED,
+        ExecStatus::Failed { .. } => kind::STEP_FAILED,
+        _ => kind::STEP_CANCELLED,
+    };
+    if let (ExecStatus::Cancelled { .. }, Some(step)) = (&record.status, record.step_id()) {
+        // Tell the worker now (it also learns from its next heartbeat), then what it owns.
+        if let Err(e) = ctx.client.publish(subjects::step_cancel(&step), "cancel".into()).await {
+            tracing::debug!(%step, error = %e, "cancel notice");
+        }
+        registry::cancel_under(ctx, &record, Reach::Owned, exec_reason::PARENT_CANCELLED).await?;
+    }
+    step_event(ctx, &record, k).await;
+    if delivery::routes_completions(&record) {
+        route(ctx, &record).await?;
+    }
+    Ok(())
+}
+
+/// Keeps the start time the record knew (the end message may have been built without it).
+fn with_start(
+    status: &ExecStatus,
+    known: Option<chrono::DateTime<chrono::Utc>>,
+) -> ExecStatus {
+    let mut s = status.clone();
+    match &mut s {
+        ExecStatus::Completed { started_at, .. }
+        | ExecStatus::Failed { started_at, .. }
+        | ExecStatus::Cancelled { started_at, .. } => {
+            if started_at.is_none() {
+                *started_at = known;
+            }
+        }
+        _ => {}
+    }
+    s
+}
+
+/// One completion per target session (owner, then watchers; R8), then a delivery armed for
+/// each. Both are idempotent, so a redelivered end repeats them harmlessly.
+async fn route(ctx: &Ctx, record: &ExecutionRecord) -> Result<(), EndError> {
+    let completion = Completion::of(record);
+    for target in record.targets() {
+        let active = ctx
+            .buckets
+            .sessions
+            .get::<SessionRecord>(target.as_str())
+            .await?
+            .is_some_and(|(s, _)| s.is_active());
+        if !active {
+            tracing::info!(execution = %record.id, session = %target, "target session stopped; completion not routed");
+            continue;
+        }
+        let env = completion.envelope(&target)?;
+        events::publish_durable(
+            &ctx.js,
+            subjects::completion(&target, &record.id),
+            &env,
+            None,
+        )
+        .await?;
+        let ev = session_event(
+            kind::COMPLETION_ROUTED,
+            &target,
+            None,
+            &json!({ "execution": record.id, "name": record.name, "status": record.status.name(),
+                     "role": if record.owner.as_ref() == Some(&target) { "owner" } else { "watcher" } }),
+        )?
+        .with_id(format!("{}:{target}:routed", record.id));
+        events::publish(&ctx.js, &ev).await?;
+        if let Some(d) = delivery::arm(&ctx.js, &ctx.buckets.deliveries, &target).await? {
+            let ev = session_event(kind::DELIVERY_QUEUED, &target, None, &json!({ "delivery": d }))?
+                .with_id(format!("{d}:queued"));
+            events::publish(&ctx.js, &ev).await?;
+        }
+    }
+    Ok(())
+}

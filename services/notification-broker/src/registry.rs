@@ -1,0 +1,278 @@
+//! The execution registry in KV: turn nodes mirrored from the lane's turn records, step nodes
+//! created by the API, the parent-to-children index, the tree walk, and cancellation by
+//! ownership (R6, R7). Every change is a revision compare-and-set.
+
+use turnstile_shared::execution::{
+    ExecKind, ExecStatus, ExecutionRecord, Scope, StepResult,
+};
+use turnstile_shared::kv::{Change, KvError};
+use turnstile_shared::records::{LaneItem, TurnRecord, TurnState};
+use turnstile_shared::step_api::{Ended, TreeNode};
+use turnstile_shared::{events, subjects, ExecutionId, SessionId, TurnId};
+
+use crate::Ctx;
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RegistryError {
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Publish(#[from] events::PublishError),
+    #[error(transparent)]
+    Envelope(#[from] turnstile_shared::EnvelopeError),
+    #[error("read lane of {session}: {source}")]
+    Lane {
+        session: SessionId,
+        source: async_nats::Error,
+    },
+}
+
+pub(crate) async fn get(ctx: &Ctx, id: &ExecutionId) -> Result<Option<ExecutionRecord>, KvError> {
+    Ok(ctx
+        .buckets
+        .executions
+        .get::<ExecutionRecord>(id.as_str())
+        .await?
+        .map(|(r, _)| r))
+}
+
+/// A turn's execution status; `None` while it only waits (R2: queued items are not running
+/// executions of anything).
+fn turn_status(state: &TurnState) -> Option<ExecStatus> {
+    let last = |output: &[String]| output.last().cloned().unwrap_or_default();
+    match state {
+        TurnState::Queued => None,
+        TurnState::Running { typed_at, host, .. } => Some(ExecStatus::Running {
+            started_at: *typed_at,
+            worker: Some(host.to_string()),
+            heartbeat_at: None,
+        }),
+        TurnState::Completed {
+            typed_at,
+            ended_at,
+            output,
+            ..
+        } => Some(ExecStatus::Completed {
+            started_at: Some(*typed_at),
+            ended_at: *ended_at,
+            result: StepResult {
+                exit_code: None,
+                summary: last(output),
+                output: Vec::new(),
+            },
+        }),
+        TurnState::Failed {
+            ended_at,
+            reason,
+            detail,
+            ..
+        } => Some(ExecStatus::Failed {
+            started_at: None,
+            ended_at: *ended_at,
+            reason: reason.clone(),
+            result: StepResult {
+                exit_code: None,
+                summary: detail.clone(),
+                output: Vec::new(),
+            },
+        }),
+    }
+}
+
+/// Mirrors a turn record into the registry once it holds the lane (R2). Returns the node.
+pub(crate) async fn mirror_turn(
+    ctx: &Ctx,
+    turn: &TurnRecord,
+) -> Result<Option<ExecutionRecord>, KvError> {
+    let Some(status) = turn_status(&turn.state) else {
+        return Ok(None);
+    };
+    let (kind, name) = match &turn.delivery {
+        Some(_) => (ExecKind::Delivery, "delivery".to_string()),
+        None => (ExecKind::Turn, turn_name(&turn.text)),
+    };
+    ctx.buckets
+        .executions
+        .modify::<ExecutionRecord, _>(turn.id.as_str(), |cur| match cur {
+            Some(r) if r.status.is_terminal() || r.status == status => Change::Keep,
+            Some(r) => Change::Write(ExecutionRecord {
+                status: status.clone(),
+                ..r.clone()
+            }),
+            None => Change::Write(ExecutionRecord {
+                id: turn.id.clone().into(),
+                kind,
+                name: name.clone(),
+                parent: None,
+                scope: Scope::Turn,
+                session: turn.session.clone(),
+                owner: Some(turn.session.clone()),
+                watchers: Vec::new(),
+                created_at: turn.queued_at,
+                work: None,
+                token: None,
+                children: Vec::new(),
+                status: status.clone(),
+            }),
+        })
+        .await
+}
+
+fn turn_name(text: &str) -> String {
+    let first = text.lines().next().unwrap_or("").trim();
+    let mut name: String = first.chars().take(48).collect();
+    if first.chars().count() > 48 {
+        name.push('…');
+    }
+    name
+}
+
+/// Appends `child` to the parent's index (idempotent).
+pub(crate) async fn add_child(
+    ctx: &Ctx,
+    parent: &ExecutionId,
+    child: &ExecutionId,
+) -> Result<(), KvError> {
+    ctx.buckets
+        .executions
+        .modify::<ExecutionRecord, _>(parent.as_str(), |cur| match cur {
+            Some(r) if !r.children.contains(child) => {
+                let mut next = r.clone();
+                next.children.push(child.clone());
+                Change::Write(next)
+            }
+            _ => Change::Keep,
+        })
+        .await?;
+    Ok(())
+}
+
+/// The turn the session's lane holds right now, read off its consumer (R1, R6): the item in
+/// flight when one is pending, decoded from the lane stream.
+pub(crate) async fn lane_occupant(
+    ctx: &Ctx,
+    session: &SessionId,
+) -> Result<Option<TurnId>, RegistryError> {
+    let lane_err = |e: async_nats::Error| RegistryError::Lane {
+        session: session.clone(),
+        source: e,
+    };
+    let stream = ctx
+        .js
+        .get_stream_no_info(subjects::LANE_STREAM)
+        .await
+        .map_err(|e| lane_err(e.into()))?;
+    let info = match stream.consumer_info(subjects::lane_consumer(session)).await {
+        Ok(i) => i,
+        Err(_) => return Ok(None),
+    };
+    if info.num_ack_pending == 0 {
+        return Ok(None);
+    }
+    let msg = match stream.direct_get(info.delivered.stream_sequence).await {
+        Ok(m) => m,
+        Err(_) => return Ok(None),
+    };
+    Ok(match LaneItem::decode(&msg.payload, session) {
+        Ok(LaneItem::Turn(t)) => Some(t.turn),
+        Ok(LaneItem::Delivery(d)) => Some(d.delivery.turn()),
+        Err(_) => None,
+    })
+}
+
+/// Queues the end of an execution for the ended consumer (the one writer of terminal states).
+pub(crate) async fn publish_end(ctx: &Ctx, ended: &Ended) -> Result<(), RegistryError> {
+    let env = ended.envelope()?;
+    events::publish_durable(&ctx.js, subjects::step_ended(&ended.execution), &env, None).await?;
+    Ok(())
+}
+
+/// Which descendants a cancellation reaches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Reach {
+    /// Everything owned: children of any scope but `detached`.
+    Owned,
+    /// Only `turn`-scoped work (looking through `run`-scoped nodes): a turn that ended.
+    TurnScoped,
+}
+
+/// Cancels the live descendants of `root` that `reach` covers; returns them. Each cancelled
+/// node's own children are cancelled by the ended consumer when it records the cancel.
+pub(crate) async fn cancel_under(
+    ctx: &Ctx,
+    root: &ExecutionRecord,
+    reach: Reach,
+    reason: &str,
+) -> Result<Vec<ExecutionId>, RegistryError> {
+    let mut out = Vec::new();
+    let mut stack: Vec<ExecutionId> = root.children.clone();
+    let mut seen = 0usize;
+    while let Some(id) = stack.pop() {
+        seen += 1;
+        if seen > MAX_NODES {
+            tracing::warn!(root = %root.id, "cancellation walk stopped at {MAX_NODES} nodes");
+            break;
+        }
+        let Some(rec) = get(ctx, &id).await? else {
+            continue;
+        };
+        match (rec.scope, reach) {
+            (Scope::Detached, _) => continue,
+            (Scope::Run, Reach::TurnScoped) => {
+                stack.extend(rec.children.iter().cloned());
+                continue;
+            }
+            _ => {}
+        }
+        if rec.status.is_terminal() {
+            continue;
+        }
+        let ended = Ended::cancelled(rec.id.clone(), reason, rec.status.started_at());
+        publish_end(ctx, &ended).await?;
+        out.push(rec.id.clone());
+    }
+    Ok(out)
+}
+
+const MAX_NODES: usize = 20_000;
+const MAX_DEPTH: usize = 64;
+
+/// The subtree under `id`, with `settled` true where the whole subtree is terminal.
+pub(crate) async fn tree(ctx: &Ctx, id: &ExecutionId) -> Result<Option<TreeNode>, KvError> {
+    let Some(root) = get(ctx, id).await? else {
+        return Ok(None);
+    };
+    let mut budget = MAX_NODES;
+    Ok(Some(build(ctx, root, 0, &mut budget).await?))
+}
+
+async fn build(
+    ctx: &Ctx,
+    record: ExecutionRecord,
+    depth: usize,
+    budget: &mut usize,
+) -> Result<TreeNode, KvError> {
+    let mut nodes = Vec::new();
+    let mut settled = record.status.is_terminal();
+    if depth < MAX_DEPTH {
+        for child in &record.children {
+            if *budget == 0 {
+                settled = false;
+                break;
+            }
+            *budget -= 1;
+            if let Some(rec) = get(ctx, child).await? {
+                let node = Box::pin(build(ctx, rec, depth + 1, budget)).await?;
+                settled &= node.settled;
+                nodes.push(node);
+            }
+        }
+    } else if !record.children.is_empty() {
+        settled = false;
+    }
+    Ok(TreeNode {
+        record: record.redacted(),
+        settled,
+        nodes,
+    })
+}

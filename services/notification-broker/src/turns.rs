@@ -1,0 +1,85 @@
+//! Follows every turn record change durably: a turn that holds the lane becomes a node of the
+//! execution tree (R2, R6), and a turn that ended takes its `turn`-scoped work with it (R7),
+//! however it ended: completed, failed, its terminal died, or its session was stopped.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::execution::exec_reason;
+use turnstile_shared::records::TurnRecord;
+use turnstile_shared::topology;
+
+use crate::registry::{self, Reach};
+use crate::Ctx;
+
+pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
+    let mut delay = Duration::from_millis(100);
+    while !shutdown.is_cancelled() {
+        match consume(&ctx, &shutdown).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "turn mirror interrupted; resuming");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
+    let consumer = topology::ensure_turns_mirror_consumer(&ctx.js, &ctx.topology).await?;
+    let mut messages = consumer.messages().await?;
+    loop {
+        let msg = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            m = messages.next() => match m {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => { tracing::debug!(error = %e, "turn mirror pull"); continue; }
+                None => return Err("turn mirror pull stream ended".into()),
+            },
+        };
+        let ctx = ctx.clone();
+        tokio::spawn(async move { handle(&ctx, msg).await });
+    }
+}
+
+async fn handle(ctx: &Ctx, msg: jetstream::Message) {
+    // Deletes and purges carry no record; an unreadable record is not ours to judge here.
+    let turn = match serde_json::from_slice::<TurnRecord>(&msg.payload) {
+        Ok(t) => t,
+        Err(_) => {
+            let _ = msg.ack().await;
+            return;
+        }
+    };
+    match on_turn(ctx, &turn).await {
+        Ok(()) => {
+            let _ = msg.ack().await;
+        }
+        Err(e) => {
+            tracing::warn!(turn = %turn.id, error = %e, "mirror turn; retrying");
+            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_millis(500)))).await;
+        }
+    }
+}
+
+async fn on_turn(ctx: &Ctx, turn: &TurnRecord) -> Result<(), registry::RegistryError> {
+    let Some(node) = registry::mirror_turn(ctx, turn).await? else {
+        return Ok(());
+    };
+    if turn.state.is_terminal() {
+        let cancelled =
+            registry::cancel_under(ctx, &node, Reach::TurnScoped, exec_reason::TURN_ENDED).await?;
+        if !cancelled.is_empty() {
+            tracing::info!(turn = %turn.id, count = cancelled.len(), "turn ended; its turn-scoped work is cancelled");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,318 @@
+//! A `delivery` lane item (R3): once it holds the lane it takes every pending completion of
+//! the session (up to [`DELIVERY_CAP`]), checks each is addressed to a session that owns or
+//! watches it (R8), records what it carries in its turn record, types them as ONE message,
+//! and acks them only after that turn completed. A failed turn leaves them pending.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use chrono::Utc;
+use futures::StreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::delivery::{self, Completion, DeliveryItem, COMPLETION_KIND, DELIVERY_CAP};
+use turnstile_shared::envelope::Envelope;
+use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::execution::ExecutionRecord;
+use turnstile_shared::records::{
+    Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState,
+};
+use turnstile_shared::kv::Bucket;
+use turnstile_shared::{deadletter, subjects, topology, SessionId};
+
+use crate::lane::{dispatch, finish, release, wait_terminal};
+use crate::Ctx;
+
+#[derive(Debug, thiserror::Error)]
+enum DeliveryError {
+    #[error(transparent)]
+    Kv(#[from] turnstile_shared::kv::KvError),
+    #[error(transparent)]
+    Topology(#[from] topology::TopologyError),
+    #[error("fetch completions of {session}: {source}")]
+    Fetch {
+        session: SessionId,
+        source: async_nats::Error,
+    },
+    #[error(transparent)]
+    Nats(#[from] async_nats::Error),
+}
+
+pub(crate) async fn run_delivery(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: jetstream::Message,
+    item: DeliveryItem,
+    cancel: &CancellationToken,
+) {
+    let turn_id = item.delivery.turn();
+    let waiter = ctx.turns.wait(&turn_id);
+    let retry = |e: DeliveryError| retry_later(&msg, session, &item, e);
+    // A redelivered item finds the turn its earlier attempt recorded and finishes that one.
+    let existing = match ctx.buckets.turns.get::<TurnRecord>(turn_id.as_str()).await {
+        Ok(r) => r.map(|(r, _)| r),
+        Err(e) => return retry(e.into()).await,
+    };
+    let (record, held) = match existing {
+        Some(record) => (record, Vec::new()),
+        None => {
+            if let Err(e) = delivery::disarm(&ctx.buckets.deliveries, &session.id, &item.delivery).await {
+                return retry(e.into()).await;
+            }
+            let (carried, held, more) = match collect(ctx, session).await {
+                Ok(c) => c,
+                Err(e) => return retry(e).await,
+            };
+            if more {
+                arm(ctx, &session.id).await;
+            }
+            if carried.is_empty() {
+                // Nothing (left) to hand over: an earlier delivery took it all.
+                let _ = msg.double_ack().await;
+                return;
+            }
+            let record = TurnRecord {
+                id: turn_id.clone(),
+                session: session.id.clone(),
+                text: delivery::render_batch(&carried.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>()),
+                queued_at: Utc::now(),
+                delivery: Some(Carried {
+                    delivery: item.delivery.clone(),
+                    completions: carried
+                        .iter()
+                        .map(|(c, seq)| CarriedCompletion {
+                            execution: c.execution.clone(),
+                            seq: *seq,
+                        })
+                        .collect(),
+                }),
+                state: TurnState::Queued,
+            };
+            // What it carries is durable before anything is typed (R14).
+            if let Err(e) = ctx.buckets.turns.create(turn_id.as_str(), &record).await {
+                for h in &held {
+                    let _ = h.ack_with(AckKind::Nak(None)).await;
+                }
+                return retry(e.into()).await;
+            }
+            (record, held)
+        }
+    };
+    let record = if record.state.is_terminal() {
+        record
+    } else {
+        if let Err(e) = dispatch(ctx, session, &msg, &turn_id, &record.text).await {
+            for h in &held {
+                let _ = h.ack_with(AckKind::Nak(None)).await;
+            }
+            return retry(DeliveryError::Nats(e)).await;
+        }
+        match wait_terminal(ctx, &msg, &turn_id, waiter, cancel, &held).await {
+            Some(r) => r,
+            None => {
+                for h in &held {
+                    let _ = h.ack_with(AckKind::Nak(None)).await;
+                }
+                return release(ctx, &msg).await;
+            }
+        }
+    };
+    settle(ctx, session, &record, &held).await;
+    finish(ctx, session, &msg, &record).await;
+}
+
+async fn retry_later(
+    msg: &jetstream::Message,
+    session: &SessionRecord,
+    item: &DeliveryItem,
+    e: DeliveryError,
+) {
+    tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "delivery; retrying");
+    let _ = msg
+        .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+        .await;
+}
+
+/// Pulls up to the cap of pending completions; refuses those not addressed to a session that
+/// owns or watches them (R8). Returns what to carry, the messages held, and whether more wait.
+async fn collect(
+    ctx: &Ctx,
+    session: &SessionRecord,
+) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>, bool), DeliveryError> {
+    let consumer = topology::ensure_completion_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
+        session: session.id.clone(),
+        source: e,
+    };
+    let mut batch = consumer
+        .fetch()
+        .max_messages(DELIVERY_CAP)
+        .messages()
+        .await
+        .map_err(|e| fetch_err(e.into()))?;
+    let mut carried = Vec::new();
+    let mut held = Vec::new();
+    let mut fetched = 0;
+    while let Some(m) = batch.next().await {
+        let m = m.map_err(|e| fetch_err(e))?;
+        fetched += 1;
+        let seq = m.info().map(|i| i.stream_sequence).unwrap_or_default();
+        match check(ctx, &session.id, &m).await {
+            Ok(c) => {
+                carried.push((c, seq));
+                held.push(m);
+            }
+            Err(Refusal::Retry(e)) => {
+                let _ = m.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                tracing::warn!(session = %session.id, error = %e, "check completion; retried later");
+            }
+            Err(Refusal::Reject(reason)) => reject(ctx, &session.id, &m, &reason).await,
+        }
+    }
+    Ok((carried, held, fetched >= DELIVERY_CAP))
+}
+
+enum Refusal {
+    Retry(turnstile_shared::kv::KvError),
+    Reject(String),
+}
+
+/// A completion is handed over only to its owner or a registered watcher (R8).
+async fn check(ctx: &Ctx, session: &SessionId, m: &jetstream::Message) -> Result<Completion, Refusal> {
+    let env = Envelope::decode(&m.payload).map_err(|e| Refusal::Reject(e.to_string()))?;
+    env.expect_kind(COMPLETION_KIND)
+        .map_err(|e| Refusal::Reject(e.to_string()))?;
+    if env.session.as_ref() != Some(session) {
+        return Err(Refusal::Reject(format!(
+            "completion names session {:?}, not {session}",
+            env.session.map(|s| s.to_string())
+        )));
+    }
+    let completion: Completion = env.data_as().map_err(|e| Refusal::Reject(e.to_string()))?;
+    let record = ctx
+        .buckets
+        .executions
+        .get::<ExecutionRecord>(completion.execution.as_str())
+        .await
+        .map_err(Refusal::Retry)?;
+    match record {
+        Some((r, _)) if r.may_receive(session) => Ok(completion),
+        Some((r, _)) => Err(Refusal::Reject(format!(
+            "execution {} belongs to {}; session {session} neither owns nor watches it",
+            r.id,
+            r.owner.as_ref().map_or("no owner".to_string(), |o| o.to_string())
+        ))),
+        None => Err(Refusal::Reject(format!(
+            "no execution {} in the registry",
+            completion.execution
+        ))),
+    }
+}
+
+/// R8 refusal: dead-lettered with the reason and recorded as `completion.rejected`.
+async fn reject(ctx: &Ctx, session: &SessionId, m: &jetstream::Message, reason: &str) {
+    let seq = m.info().map(|i| i.stream_sequence).unwrap_or_default();
+    let dlq = subjects::completion_deadletter(session);
+    let ev = session_event(
+        kind::COMPLETION_REJECTED,
+        session,
+        None,
+        &json!({ "reason": reason, "subject": m.subject.as_str(), "seq": seq, "dead_letter": dlq }),
+    )
+    .map(|e| e.with_id(format!("{session}:completion.rejected:{seq}")));
+    match ev {
+        Ok(ev) => deadletter::refuse(&ctx.js, m, dlq, reason, &ev).await,
+        Err(e) => tracing::error!(error = %e, "build completion.rejected"),
+    }
+}
+
+/// After the delivery turn: completed → ack what it carried (messages held now, or by
+/// sequence for a delivery resumed after a crash); failed → leave them pending (R3).
+async fn settle(ctx: &Ctx, session: &SessionRecord, record: &TurnRecord, held: &[jetstream::Message]) {
+    let Some(carried) = &record.delivery else {
+        return;
+    };
+    let completed = matches!(record.state, TurnState::Completed { .. });
+    if completed {
+        if held.is_empty() {
+            remove_by_seq(ctx, carried).await;
+        } else {
+            for h in held {
+                if let Err(e) = h.double_ack().await {
+                    tracing::warn!(session = %session.id, error = %e, "ack completion; removing by sequence");
+                    remove_by_seq(ctx, carried).await;
+                    break;
+                }
+            }
+        }
+    } else {
+        for h in held {
+            let _ = h.ack_with(AckKind::Nak(None)).await;
+        }
+    }
+    let k = if completed { kind::DELIVERY_COMPLETED } else { kind::DELIVERY_FAILED };
+    let data = json!({
+        "delivery": carried.delivery,
+        "turn": record.id,
+        "executions": carried.completions.iter().map(|c| &c.execution).collect::<Vec<_>>(),
+        "count": carried.completions.len(),
+    });
+    match session_event(k, &session.id, Some(&record.id), &data) {
+        Ok(ev) => {
+            if let Err(e) = events::publish(&ctx.js, &ev).await {
+                tracing::warn!(error = %e, "delivery event");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "build delivery event"),
+    }
+}
+
+/// Removes carried completions from the work-queue stream by sequence: the ack of a delivery
+/// resumed by another replica, which no longer holds the messages. Idempotent.
+async fn remove_by_seq(ctx: &Ctx, carried: &Carried) {
+    let Ok(stream) = ctx.js.get_stream_no_info(subjects::COMPLETION_STREAM).await else {
+        tracing::warn!("completion stream unavailable; carried completions stay");
+        return;
+    };
+    for c in &carried.completions {
+        if let Err(e) = stream.delete_message(c.seq).await {
+            tracing::debug!(execution = %c.execution, seq = c.seq, error = %e, "remove carried completion (gone already?)");
+        }
+    }
+}
+
+async fn arm(ctx: &Ctx, session: &SessionId) {
+    arm_with(&ctx.js, &ctx.buckets.deliveries, session).await
+}
+
+async fn arm_with(js: &jetstream::Context, deliveries: &Bucket, session: &SessionId) {
+    match delivery::arm(js, deliveries, session).await {
+        Ok(Some(d)) => {
+            if let Ok(ev) = session_event(kind::DELIVERY_QUEUED, session, None, &json!({ "delivery": d })) {
+                let _ = events::publish(js, &ev.with_id(format!("{d}:queued"))).await;
+            }
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(%session, error = %e, "arm delivery"),
+    }
+}
+
+/// After a turn ends, completions left pending (a failed delivery, or ones that arrived
+/// without a delivery) get one armed. Off the hand-off path: spawned.
+pub(crate) fn rearm_if_pending(ctx: &Ctx, session: &SessionId) {
+    let js = ctx.js.clone();
+    let deliveries = ctx.buckets.deliveries.clone();
+    let session = session.clone();
+    tokio::spawn(async move {
+        let Ok(stream) = js.get_stream_no_info(subjects::COMPLETION_STREAM).await else {
+            return;
+        };
+        let pending = match stream.consumer_info(subjects::completion_consumer(&session)).await {
+            Ok(info) => info.num_pending + info.num_ack_pending as u64,
+            Err(_) => 0,
+        };
+        if pending > 0 {
+            arm_with(&js, &deliveries, &session).await;
+        }
+    });
+}

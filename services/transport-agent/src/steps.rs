@@ -1,0 +1,292 @@
+//! `command` steps for this host: takes step work from `ts.step.command.<host>`, tells the
+//! broker it started (a second attempt after a crash is refused there: a step never runs
+//! twice, R14), runs the command in the session's cwd, heartbeats, stops it at once when
+//! told it is cancelled (R7), and reports its exit status and the tail of its output.
+
+use std::collections::VecDeque;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use futures::StreamExt;
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::api::{self, ApiError};
+use turnstile_shared::envelope::Envelope;
+use turnstile_shared::execution::{exec_reason, StepResult, StepWork};
+use turnstile_shared::step_api::{step_kind, Report, ReportAck, StepReport, StepWorkItem};
+use turnstile_shared::{subjects, topology};
+
+use crate::commands::refuse;
+use crate::{Ctx, Error};
+
+/// Lines of output kept for the result.
+const TAIL_LINES: usize = 20;
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
+    let mut delay = Duration::from_millis(100);
+    while !shutdown.is_cancelled() {
+        match consume(&ctx, &shutdown).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(host = %ctx.config.host, error = %e, "step work interrupted; resuming");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
+    let consumer =
+        topology::ensure_step_command_consumer(&ctx.js, &ctx.config.topology, &ctx.config.host)
+            .await?;
+    let mut messages = consumer.messages().await?;
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            n = messages.next() => n,
+        };
+        match next {
+            Some(Ok(msg)) => {
+                tokio::spawn(handle(ctx.clone(), msg, shutdown.clone()));
+            }
+            Some(Err(e)) => tracing::debug!(error = %e, "step pull"),
+            None => return Err("step pull stream ended".into()),
+        }
+    }
+}
+
+async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message, shutdown: CancellationToken) {
+    let item = match Envelope::decode(&msg.payload)
+        .and_then(|env| env.expect_kind(step_kind::WORK).map(|()| env))
+        .and_then(|env| env.data_as::<StepWorkItem>())
+    {
+        Ok(item) => item,
+        Err(e) => return refuse(&ctx, &msg, &e.to_string()).await,
+    };
+    let StepWork::Command { argv, cwd, .. } = &item.work else {
+        return refuse(&ctx, &msg, "not a command step").await;
+    };
+    // A redelivery while this process still runs the step (a slow heartbeat) is a duplicate.
+    if !ctx.running_steps_insert(&item.step) {
+        return;
+    }
+    let outcome = run_step(&ctx, &msg, &item, argv, cwd.as_deref(), &shutdown).await;
+    ctx.running_steps_remove(&item.step);
+    match outcome {
+        Some(report) => {
+            if deliver_report(&ctx, &item, report, &shutdown).await {
+                let _ = msg.double_ack().await;
+            }
+        }
+        // The broker refused the start (another attempt, or it ended): nothing to run.
+        None => {
+            let _ = msg.double_ack().await;
+        }
+    }
+}
+
+/// Runs the step; `None` when it must not run here.
+async fn run_step(
+    ctx: &Ctx,
+    msg: &jetstream::Message,
+    item: &StepWorkItem,
+    argv: &[String],
+    cwd: Option<&str>,
+    shutdown: &CancellationToken,
+) -> Option<Report> {
+    let started = call(ctx, item, Report::Started { worker: ctx.worker.clone() }, shutdown).await?;
+    if started.stop {
+        tracing::info!(step = %item.step, status = started.status, "step not started here");
+        return None;
+    }
+    // Subscribe before spawning, so a cancel sent the moment it starts is not missed.
+    let mut cancel = match ctx.client.subscribe(subjects::step_cancel(&item.step)).await {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(step = %item.step, error = %e, "cancel subscription; relying on heartbeats");
+            None
+        }
+    };
+    let dir = cwd
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| ctx.config.data_dir.clone());
+    let mut command = tokio::process::Command::new(&argv[0]);
+    command
+        .args(&argv[1..])
+        .current_dir(&dir)
+        .env("TURNSTILE_STEP", item.step.as_str())
+        .env("TURNSTILE_STEP_TOKEN", &item.token)
+        .env("TURNSTILE_NATS_URL", &ctx.config.nats_url)
+        .env_remove("TURNSTILE_SESSION")
+        .env_remove("TURNSTILE_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = match command.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            return Some(Report::Failed {
+                reason: exec_reason::SPAWN_FAILED.to_string(),
+                result: StepResult {
+                    exit_code: None,
+                    summary: format!("spawn `{}` in {}: {e}", argv[0], dir.display()),
+                    output: Vec::new(),
+                },
+            })
+        }
+    };
+    let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+    let readers = [
+        child.stdout.take().map(|o| tokio::spawn(keep_tail(o, tail.clone()))),
+        child.stderr.take().map(|e| tokio::spawn(keep_tail(e, tail.clone()))),
+    ];
+    let pgid = child.id();
+    let period = ctx.config.topology.progress_interval().min(Duration::from_secs(5));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    let status = loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => {
+                kill_group(pgid).await;
+                break Err("the transport agent stopped while it ran".to_string());
+            }
+            Some(_) = async { match cancel.as_mut() { Some(c) => c.next().await, None => std::future::pending().await } } => {
+                kill_group(pgid).await;
+                break Err("cancelled".to_string());
+            }
+            s = child.wait() => break Ok(s),
+            _ = tick.tick() => {
+                let _ = msg.ack_with(AckKind::Progress).await;
+                if let Some(ack) = call(ctx, item, Report::Heartbeat, shutdown).await {
+                    if ack.stop {
+                        kill_group(pgid).await;
+                        break Err(format!("stopped: the step is {}", ack.status));
+                    }
+                }
+            }
+        }
+    };
+    let _ = child.wait().await;
+    for r in readers.into_iter().flatten() {
+        let _ = tokio::time::timeout(Duration::from_secs(1), r).await;
+    }
+    let output: Vec<String> = tail.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default();
+    let last = output.last().cloned().unwrap_or_default();
+    Some(match status {
+        Ok(Ok(s)) if s.success() => Report::Completed {
+            result: StepResult {
+                exit_code: Some(0),
+                summary: summary("exit 0", &last),
+                output,
+            },
+        },
+        Ok(Ok(s)) => Report::Failed {
+            reason: exec_reason::EXIT_STATUS.to_string(),
+            result: StepResult {
+                exit_code: s.code(),
+                summary: summary(&format!("{s}"), &last),
+                output,
+            },
+        },
+        Ok(Err(e)) => Report::Failed {
+            reason: exec_reason::WORKER_LOST.to_string(),
+            result: StepResult {
+                exit_code: None,
+                summary: format!("wait for the command: {e}"),
+                output,
+            },
+        },
+        Err(why) => Report::Failed {
+            reason: exec_reason::CANCELLED.to_string(),
+            result: StepResult {
+                exit_code: None,
+                summary: why,
+                output,
+            },
+        },
+    })
+}
+
+fn summary(status: &str, last: &str) -> String {
+    if last.is_empty() {
+        status.to_string()
+    } else {
+        format!("{status}: {last}")
+    }
+}
+
+async fn keep_tail(out: impl AsyncRead + Unpin, tail: Arc<Mutex<VecDeque<String>>>) {
+    let mut lines = BufReader::new(out).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if let Ok(mut t) = tail.lock() {
+            if t.len() == TAIL_LINES {
+                t.pop_front();
+            }
+            t.push_back(line.chars().take(500).collect());
+        }
+    }
+}
+
+/// Kills the step's whole process group (a shell and what it started).
+async fn kill_group(pgid: Option<u32>) {
+    let Some(pgid) = pgid else { return };
+    let _ = tokio::process::Command::new("kill")
+        .args(["-KILL", &format!("-{pgid}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await;
+}
+
+/// One report; `None` if the broker could not be reached before shutdown.
+async fn call(
+    ctx: &Ctx,
+    item: &StepWorkItem,
+    report: Report,
+    shutdown: &CancellationToken,
+) -> Option<ReportAck> {
+    let req = StepReport {
+        step: item.step.clone(),
+        token: item.token.clone(),
+        report,
+    };
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match api::call::<_, ReportAck>(&ctx.client, subjects::api::STEPS_REPORT, &req, CALL_TIMEOUT).await {
+            Ok(ack) => return Some(ack),
+            Err(ApiError { code, message }) if code == "timeout" || code == "unavailable" => {
+                tracing::warn!(step = %item.step, %message, "broker unreachable; retrying report");
+            }
+            Err(e) => {
+                tracing::warn!(step = %item.step, error = %e, "report refused");
+                return Some(ReportAck { status: e.code, stop: true });
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Reports the outcome, retrying until the broker takes it (its result must not be lost).
+async fn deliver_report(
+    ctx: &Ctx,
+    item: &StepWorkItem,
+    report: Report,
+    shutdown: &CancellationToken,
+) -> bool {
+    call(ctx, item, report, shutdown).await.is_some()
+}

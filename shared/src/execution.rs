@@ -1,0 +1,291 @@
+//! The execution registry's records: every turn and step with its exact parent, scope, owner
+//! and watchers (R6, R7, R8). States carry their own data, so a record cannot claim an outcome
+//! it has no evidence for.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{ExecutionId, HostName, SessionId, StepId};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecKind {
+    /// A message typed into a session's agent.
+    Turn,
+    /// A turn that handed pending completions to the agent (R3).
+    Delivery,
+    /// Work started through the step API.
+    Step,
+}
+
+/// Who may end an execution besides itself (R7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    /// Dies with the turn that started it, however that turn ends.
+    #[default]
+    Turn,
+    /// Lives until its run ends or it is cancelled; outlives the turn that started it.
+    Run,
+    /// Independent; its launcher only watches it and receives its completion.
+    Detached,
+}
+
+impl std::str::FromStr for Scope {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "turn" => Ok(Self::Turn),
+            "run" => Ok(Self::Run),
+            "detached" => Ok(Self::Detached),
+            other => Err(format!(
+                "unknown scope {other:?} (known: turn, run, detached)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Turn => "turn",
+            Self::Run => "run",
+            Self::Detached => "detached",
+        })
+    }
+}
+
+/// What a step does and who runs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum StepWork {
+    /// Run by the transport agent of the session's host, in the session's cwd.
+    Command {
+        argv: Vec<String>,
+        host: HostName,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cwd: Option<String>,
+    },
+    /// Published on `ts.step.external.<queue>`; any worker serving that queue may take it.
+    External {
+        queue: String,
+        #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+        input: serde_json::Value,
+    },
+}
+
+/// What a finished step produced: exit status (commands) and the tail of its output.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepResult {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// One line for the agent's delivery message.
+    #[serde(default)]
+    pub summary: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub output: Vec<String>,
+}
+
+/// Queued until it holds its worker (R2); then Running; then one terminal state, never left.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum ExecStatus {
+    Queued,
+    Running {
+        started_at: DateTime<Utc>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        worker: Option<String>,
+        /// Last sign of life from the worker (R10 progress).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        heartbeat_at: Option<DateTime<Utc>>,
+    },
+    Completed {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        started_at: Option<DateTime<Utc>>,
+        ended_at: DateTime<Utc>,
+        result: StepResult,
+    },
+    Failed {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        started_at: Option<DateTime<Utc>>,
+        ended_at: DateTime<Utc>,
+        reason: String,
+        result: StepResult,
+    },
+    Cancelled {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        started_at: Option<DateTime<Utc>>,
+        ended_at: DateTime<Utc>,
+        reason: String,
+    },
+}
+
+impl ExecStatus {
+    pub fn is_terminal(&self) -> bool {
+        !matches!(self, Self::Queued | Self::Running { .. })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running { .. } => "running",
+            Self::Completed { .. } => "completed",
+            Self::Failed { .. } => "failed",
+            Self::Cancelled { .. } => "cancelled",
+        }
+    }
+
+    pub fn started_at(&self) -> Option<DateTime<Utc>> {
+        match self {
+            Self::Queued => None,
+            Self::Running { started_at, .. } => Some(*started_at),
+            Self::Completed { started_at, .. }
+            | Self::Failed { started_at, .. }
+            | Self::Cancelled { started_at, .. } => *started_at,
+        }
+    }
+
+    pub fn ended_at(&self) -> Option<DateTime<Utc>> {
+        match self {
+            Self::Queued | Self::Running { .. } => None,
+            Self::Completed { ended_at, .. }
+            | Self::Failed { ended_at, .. }
+            | Self::Cancelled { ended_at, .. } => Some(*ended_at),
+        }
+    }
+
+    /// One line for a delivery message or a tree listing.
+    pub fn summary(&self) -> String {
+        match self {
+            Self::Completed { result, .. } => result.summary.clone(),
+            Self::Failed { reason, result, .. } if result.summary.is_empty() => reason.clone(),
+            Self::Failed { reason, result, .. } => format!("{reason}: {}", result.summary),
+            Self::Cancelled { reason, .. } => reason.clone(),
+            other => other.name().to_string(),
+        }
+    }
+}
+
+/// Named reasons an execution fails or is cancelled with; documented in docs/events.md.
+pub mod exec_reason {
+    pub const TURN_ENDED: &str = "turn_ended";
+    pub const PARENT_CANCELLED: &str = "parent_cancelled";
+    pub const CANCELLED: &str = "cancelled";
+    pub const EXIT_STATUS: &str = "exit_status";
+    pub const SPAWN_FAILED: &str = "spawn_failed";
+    /// The worker that held a step died with it; it is never run a second time (R14).
+    pub const WORKER_LOST: &str = "worker_lost";
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecutionRecord {
+    pub id: ExecutionId,
+    pub kind: ExecKind,
+    pub name: String,
+    /// The exact parent (R6); `None` only for a turn sent from outside.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ExecutionId>,
+    #[serde(default)]
+    pub scope: Scope,
+    /// The session that started it (whose host and cwd a command step uses).
+    pub session: SessionId,
+    /// The session that owns it and receives its completion; `None` for detached work.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<SessionId>,
+    /// Sessions told of its end without owning it (R7, R8).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub watchers: Vec<SessionId>,
+    pub created_at: DateTime<Utc>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work: Option<StepWork>,
+    /// The step's own secret (reports and child steps); never shown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    /// Direct children, in start order (an index; each child also names its parent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ExecutionId>,
+    #[serde(flatten)]
+    pub status: ExecStatus,
+}
+
+impl ExecutionRecord {
+    /// The sessions a completion of this execution goes to (R8): the owner, then watchers.
+    pub fn targets(&self) -> Vec<SessionId> {
+        let mut out: Vec<SessionId> = self.owner.iter().cloned().collect();
+        for w in &self.watchers {
+            if !out.contains(w) {
+                out.push(w.clone());
+            }
+        }
+        out
+    }
+
+    pub fn may_receive(&self, session: &SessionId) -> bool {
+        self.owner.as_ref() == Some(session) || self.watchers.contains(session)
+    }
+
+    pub fn step_id(&self) -> Option<StepId> {
+        self.id.as_step()
+    }
+
+    /// The record as shown to callers: the token is dropped.
+    pub fn redacted(&self) -> Self {
+        Self {
+            token: None,
+            ..self.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detached_work_goes_to_watchers_only() {
+        let launcher = SessionId::new();
+        let rec = ExecutionRecord {
+            id: StepId::new().into(),
+            kind: ExecKind::Step,
+            name: "x".into(),
+            parent: None,
+            scope: Scope::Detached,
+            session: launcher.clone(),
+            owner: None,
+            watchers: vec![launcher.clone()],
+            created_at: Utc::now(),
+            work: None,
+            token: Some("secret".into()),
+            children: vec![],
+            status: ExecStatus::Queued,
+        };
+        assert_eq!(rec.targets(), vec![launcher.clone()]);
+        assert!(rec.may_receive(&launcher));
+        assert!(!rec.may_receive(&SessionId::new()));
+        let json = serde_json::to_value(rec.redacted()).expect("json");
+        assert!(json.get("token").is_none());
+        assert_eq!(json["status"], "queued");
+        assert_eq!(json["scope"], "detached");
+    }
+
+    #[test]
+    fn statuses_round_trip_and_summarise() {
+        let s = ExecStatus::Failed {
+            started_at: None,
+            ended_at: Utc::now(),
+            reason: exec_reason::EXIT_STATUS.into(),
+            result: StepResult {
+                exit_code: Some(1),
+                summary: "exit 1".into(),
+                output: vec![],
+            },
+        };
+        assert!(s.is_terminal());
+        assert_eq!(s.summary(), "exit_status: exit 1");
+        let back: ExecStatus =
+            serde_json::from_value(serde_json::to_value(&s).expect("json")).expect("back");
+        assert_eq!(back, s);
+        assert!("bogus".parse::<Scope>().is_err());
+        assert_eq!("detached".parse::<Scope>(), Ok(Scope::Detached));
+    }
+}

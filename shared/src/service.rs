@@ -1,0 +1,59 @@
+//! The one request loop behind every `ts.api.*` endpoint: decode, call the handler, reply
+//! `{"ok": ...}` or `{"error": ...}`. A bad request gets a clear error and the endpoint keeps
+//! serving everyone else (R15).
+
+use std::future::Future;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{ApiError, Reply};
+
+/// Serves one endpoint until `shutdown`; each request runs on its own task.
+pub async fn serve_endpoint<C, Req, Resp, F, Fut>(
+    ctx: Arc<C>,
+    mut endpoint: async_nats::service::endpoint::Endpoint,
+    shutdown: CancellationToken,
+    handler: F,
+) where
+    C: Send + Sync + 'static,
+    Req: DeserializeOwned + Send + 'static,
+    Resp: Serialize + Send + 'static,
+    F: Fn(Arc<C>, Req) -> Fut + Copy + Send + Sync + 'static,
+    Fut: Future<Output = Result<Resp, ApiError>> + Send + 'static,
+{
+    loop {
+        let request = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return,
+            r = endpoint.next() => match r { Some(r) => r, None => return },
+        };
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            let reply = match serde_json::from_slice::<Req>(&request.message.payload) {
+                Ok(req) => handler(ctx, req).await,
+                Err(e) => Err(ApiError::bad_request(format!(
+                    "invalid request on {}: {e}",
+                    request.message.subject
+                ))),
+            };
+            let body = match reply {
+                Ok(v) => serde_json::to_vec(&Reply::Ok(v)),
+                Err(e) => {
+                    tracing::info!(subject = %request.message.subject, error = %e, "request refused");
+                    serde_json::to_vec(&Reply::<()>::Error(e))
+                }
+            };
+            let body = body.unwrap_or_else(|e| {
+                format!("{{\"error\":{{\"code\":\"internal\",\"message\":\"encode reply: {e}\"}}}}")
+                    .into_bytes()
+            });
+            if let Err(e) = request.respond(Ok(body.into())).await {
+                tracing::debug!(error = %e, "reply");
+            }
+        });
+    }
+}
