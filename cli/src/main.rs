@@ -6,6 +6,7 @@ mod events;
 mod mcp;
 mod session;
 mod steps;
+mod worker;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -57,6 +57,16 @@ pub enum StepCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Serve `external` steps of a queue: run the command for each and report its result.
+    Work {
+        #[arg(long)]
+        queue: String,
+        /// Exit after one step.
+        #[arg(long)]
+        once: bool,
+        #[arg(last = true)]
+        command: Vec<String>,
+    },
 }
 
 fn caller() -> anyhow::Result<Caller> {
@@ -67,6 +77,14 @@ fn caller() -> anyhow::Result<Caller> {
 }
 
 pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
+    if let StepCommand::Work {
+        queue,
+        once,
+        command,
+    } = cmd
+    {
+        return crate::worker::run(url, queue, once, command).await;
+    }
     let client = turnstile_shared::config::connect_once(url, "turnstile-step").await?;
     match cmd {
         StepCommand::Start {
@@ -117,8 +135,13 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
                     };
                     let client = client.clone();
                     async move {
-                        api::call::<_, ExecutionRecord>(&client, subj::STEPS_START, &req, API_TIMEOUT)
-                            .await
+                        api::call::<_, ExecutionRecord>(
+                            &client,
+                            subj::STEPS_START,
+                            &req,
+                            API_TIMEOUT,
+                        )
+                        .await
                     }
                 });
                 for r in futures::future::join_all(calls).await {
@@ -158,6 +181,7 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        StepCommand::Work { .. } => {}
     }
     Ok(ExitCode::SUCCESS)
 }

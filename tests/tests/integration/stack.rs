@@ -11,7 +11,9 @@ use turnstile_shared::api::{self, CreateSession, SendTurn, SessionRef, SessionVi
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord};
 use turnstile_shared::subjects::{self, api as subj};
-use turnstile_shared::{SessionId, TurnId};
+use turnstile_shared::execution::ExecutionRecord;
+use turnstile_shared::step_api::{Caller, ExecRef, StartStep, TreeNode};
+use turnstile_shared::{ExecutionId, SessionId, TurnId};
 use turnstile_tests::{bin_path, wait_until, NatsServer, ServiceProcess};
 
 pub const API: Duration = Duration::from_secs(10);
@@ -21,6 +23,7 @@ pub struct Stack {
     pub dir: tempfile::TempDir,
     pub lanes: HashMap<String, ServiceProcess>,
     pub transports: HashMap<String, ServiceProcess>,
+    pub brokers: HashMap<String, ServiceProcess>,
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     overrides: Vec<(String, String)>,
@@ -47,6 +50,7 @@ impl Stack {
             dir: tempfile::Builder::new().prefix("ts-it-").tempdir()?,
             lanes: HashMap::new(),
             transports: HashMap::new(),
+            brokers: HashMap::new(),
             client,
             js,
             overrides: overrides
@@ -60,6 +64,7 @@ impl Stack {
         for h in hosts {
             stack.spawn_transport(h)?;
         }
+        stack.spawn_broker("b1")?;
         Ok(stack)
     }
 
@@ -89,6 +94,18 @@ impl Stack {
             &format!("lane-{replica}"),
         )?;
         self.lanes.insert(replica.to_string(), p);
+        Ok(())
+    }
+
+    pub fn spawn_broker(&mut self, replica: &str) -> Result<()> {
+        let p = ServiceProcess::spawn_in(
+            self.dir.path(),
+            "turnstile-notification-broker",
+            &["--replica".to_string(), replica.to_string()],
+            &self.env(),
+            &format!("broker-{replica}"),
+        )?;
+        self.brokers.insert(replica.to_string(), p);
         Ok(())
     }
 
@@ -124,7 +141,12 @@ impl Stack {
     /// The tail of every service's log, for a failing test's report.
     pub fn logs(&self) -> String {
         let mut out = format!("--- nats-server\n{}\n", self.nats.log_tail(20));
-        for (name, p) in self.lanes.iter().chain(self.transports.iter()) {
+        for (name, p) in self
+            .lanes
+            .iter()
+            .chain(self.transports.iter())
+            .chain(self.brokers.iter())
+        {
             out.push_str(&format!("--- {name}\n{}\n", p.log_tail(40)));
         }
         out
@@ -411,4 +433,161 @@ pub fn serial_turns(events: &[Envelope], session: &SessionId) -> Result<Vec<Turn
         }
     }
     Ok(order)
+}
+
+/// The execution registry and the broker's APIs, as tests see them.
+impl Stack {
+    pub async fn session_record(&self, session: &SessionId) -> Result<SessionRecord> {
+        let kv = self.js.get_key_value(subjects::SESSIONS_BUCKET).await?;
+        Ok(serde_json::from_slice(
+            &kv.get(session.as_str())
+                .await?
+                .with_context(|| format!("no session {session}"))?,
+        )?)
+    }
+
+    /// The credentials the session's agent was launched with.
+    pub async fn caller(&self, session: &SessionId) -> Result<Caller> {
+        Ok(Caller {
+            session: Some(session.clone()),
+            step: None,
+            token: self.session_record(session).await?.token,
+        })
+    }
+
+    pub async fn exec(&self, id: &ExecutionId) -> Result<Option<ExecutionRecord>> {
+        let kv = self.js.get_key_value(subjects::EXECUTIONS_BUCKET).await?;
+        match kv.get(id.as_str()).await? {
+            Some(b) => Ok(Some(serde_json::from_slice(&b)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits (on the record's KV key) until the execution satisfies `pred`.
+    pub async fn wait_exec(
+        &self,
+        id: &ExecutionId,
+        timeout: Duration,
+        pred: impl Fn(&ExecutionRecord) -> bool,
+    ) -> Result<ExecutionRecord> {
+        let kv = self.js.get_key_value(subjects::EXECUTIONS_BUCKET).await?;
+        let mut watch = kv.watch_with_history(id.as_str()).await?;
+        let found = tokio::time::timeout(timeout, async {
+            while let Some(entry) = watch.next().await {
+                if let Ok(r) = serde_json::from_slice::<ExecutionRecord>(&entry?.value) {
+                    if pred(&r) {
+                        return Ok(r);
+                    }
+                }
+            }
+            bail!("watch of execution {id} ended")
+        })
+        .await;
+        match found {
+            Ok(r) => r,
+            Err(_) => bail!(
+                "execution {id} never reached the awaited state; now {:?}",
+                self.exec(id).await.ok().flatten().map(|r| r.status)
+            ),
+        }
+    }
+
+    pub async fn tree(&self, id: &ExecutionId) -> Result<TreeNode> {
+        Ok(api::call(
+            &self.client,
+            subj::EXEC_TREE,
+            &ExecRef { id: id.clone() },
+            API,
+        )
+        .await?)
+    }
+
+    pub async fn start_step(&self, req: &StartStep) -> Result<ExecutionRecord, api::ApiError> {
+        api::call(&self.client, subj::STEPS_START, req, API).await
+    }
+
+    /// Waits until the kept events satisfy `pred` (re-reading the stream as it grows).
+    pub async fn wait_events<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&[Envelope]) -> Option<T>,
+    ) -> Result<T> {
+        let pred = &pred;
+        wait_until(what, timeout, || async move {
+            let events = self.events().await?;
+            Ok(pred(&events))
+        })
+        .await
+    }
+
+    /// Ids of the session's delivery turns, in start order.
+    pub async fn delivery_turns(&self, session: &SessionId) -> Result<Vec<TurnRecord>> {
+        let mut out = Vec::new();
+        for e in self.events().await? {
+            if e.kind == "turn.started" && e.session.as_ref() == Some(session) {
+                if let Some(t) = &e.turn {
+                    if let Some(rec) = self.turn(t).await? {
+                        if rec.delivery.is_some() && !out.iter().any(|r: &TurnRecord| r.id == rec.id) {
+                            out.push(rec);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The step ids a delivery message lists (one `- NAME [STATUS] stp_...: summary` line each).
+pub fn listed_steps(message: &str) -> Vec<String> {
+    message
+        .lines()
+        .filter_map(|l| l.strip_prefix("- "))
+        .filter_map(|l| l.split_whitespace().find(|w| w.starts_with("stp_")))
+        .map(|w| w.trim_end_matches(':').to_string())
+        .collect()
+}
+
+/// Sends a signal to a process (`STOP` freezes a service between two of its writes).
+pub fn signal(pid: u32, sig: &str) -> Result<()> {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()?;
+    anyhow::ensure!(status.success(), "kill -{sig} {pid} failed");
+    Ok(())
+}
+
+/// Waits until the tree under `id` satisfies `pred`.
+pub async fn wait_until_tree(
+    stack: &Stack,
+    id: &ExecutionId,
+    timeout: Duration,
+    pred: impl Fn(&TreeNode) -> bool,
+) -> Result<TreeNode> {
+    let pred = &pred;
+    wait_until("execution tree", timeout, || async move {
+        match stack.tree(id).await {
+            Ok(t) if pred(&t) => Ok(Some(t)),
+            Ok(_) => Ok(None),
+            Err(e) if e.to_string().contains("not_found") => Ok(None),
+            Err(e) => Err(e),
+        }
+    })
+    .await
+}
+
+/// Waits until `n` delivery turns of the session have ended; returns them in start order.
+pub async fn wait_deliveries(
+    stack: &Stack,
+    session: &SessionId,
+    n: usize,
+    timeout: Duration,
+) -> Result<Vec<TurnRecord>> {
+    wait_until("delivery turns", timeout, || async move {
+        let d = stack.delivery_turns(session).await?;
+        Ok((d.len() >= n && d.iter().all(|r| r.state.is_terminal())).then_some(d))
+    })
+    .await
 }
