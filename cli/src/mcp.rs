@@ -26,7 +26,7 @@ const INSTRUCTIONS: &str = "Turnstile runs work as steps beside this conversatio
     it ends, so do not poll for it. Use step_status or list_steps only to inspect.";
 
 /// The broker's request/reply API; a trait so the protocol is tested without NATS.
-pub trait Backend: Send + Sync + 'static {
+trait Backend: Send + Sync + 'static {
     fn call(&self, subject: &'static str, request: Value) -> BoxFuture<'_, Result<Value, String>>;
 }
 
@@ -59,7 +59,7 @@ impl Backend for Nats {
 pub async fn run(url: &str) -> anyhow::Result<ExitCode> {
     let caller = Caller::from_env().filter(|c| c.session.is_some() || c.step.is_some());
     if caller.is_none() {
-        eprintln!("turnstile mcp: {NO_CREDENTIALS}");
+        eprintln!("{NO_CREDENTIALS}");
     }
     let nats = Nats {
         url: url.to_string(),
@@ -130,18 +130,18 @@ fn tool_result(text: String, is_error: bool) -> Value {
     json!({"content": [{"type": "text", "text": text}], "isError": is_error})
 }
 
-pub struct Server<B> {
+struct Server<B> {
     caller: Option<Caller>,
     backend: B,
 }
 
 impl<B: Backend> Server<B> {
-    pub fn new(caller: Option<Caller>, backend: B) -> Self {
+    fn new(caller: Option<Caller>, backend: B) -> Self {
         Self { caller, backend }
     }
 
     /// One line from stdin; the reply to write, or `None` for notifications and blank lines.
-    pub async fn handle_message(&self, line: &str) -> Option<Value> {
+    async fn handle_message(&self, line: &str) -> Option<Value> {
         if line.trim().is_empty() {
             return None;
         }
@@ -209,7 +209,10 @@ impl<B: Backend> Server<B> {
                         "invalid params: tools/call needs a tool name".into(),
                     ));
                 };
-                if !["start_step", "step_status", "list_steps"].contains(&name) {
+                if !tools()
+                    .as_array()
+                    .is_some_and(|t| t.iter().any(|t| t["name"] == name))
+                {
                     return Err((-32602, format!("unknown tool {name:?}")));
                 }
                 let empty = Map::new();
@@ -443,4 +446,239 @@ fn tools() -> Value {
             "annotations": {"readOnlyHint": true}
         }
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use turnstile_shared::SessionId;
+
+    /// Records each call and answers with `reply` (or an error when it is `None`).
+    #[derive(Default)]
+    struct Fake {
+        calls: Mutex<Vec<(String, Value)>>,
+        reply: Option<Value>,
+    }
+
+    impl Backend for Arc<Fake> {
+        fn call(&self, subject: &'static str, req: Value) -> BoxFuture<'_, Result<Value, String>> {
+            self.calls.lock().unwrap().push((subject.to_string(), req));
+            let reply = self.reply.clone().ok_or("unavailable: no NATS".to_string());
+            Box::pin(async move { reply })
+        }
+    }
+
+    fn caller() -> Caller {
+        Caller {
+            session: Some(SessionId::new()),
+            step: None,
+            token: "tok".into(),
+        }
+    }
+
+    fn server(caller: Option<Caller>, reply: Option<Value>) -> (Server<Arc<Fake>>, Arc<Fake>) {
+        let fake = Arc::new(Fake {
+            calls: Mutex::default(),
+            reply,
+        });
+        (Server::new(caller, fake.clone()), fake)
+    }
+
+    fn record(id: &StepId) -> Value {
+        json!({
+            "id": id.to_string(), "kind": "step", "name": "build", "scope": "run",
+            "session": SessionId::new().to_string(), "created_at": "2025-01-01T00:00:00Z",
+            "token": "secret-token", "status": "queued"
+        })
+    }
+
+    async fn ask(s: &Server<Arc<Fake>>, msg: Value) -> Value {
+        s.handle_message(&msg.to_string()).await.expect("a reply")
+    }
+
+    async fn call_tool(s: &Server<Arc<Fake>>, name: &str, args: Value) -> (bool, String) {
+        let params = json!({"name": name, "arguments": args});
+        let r = ask(
+            s,
+            json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params}),
+        )
+        .await;
+        let text = r["result"]["content"][0]["text"]
+            .as_str()
+            .expect("text")
+            .to_string();
+        (r["result"]["isError"].as_bool().expect("isError"), text)
+    }
+
+    #[tokio::test]
+    async fn initialize_negotiates_the_version() {
+        let (s, _) = server(None, None);
+        for (asked, got) in [
+            (json!("2024-11-05"), "2024-11-05"),
+            (json!("2025-03-26"), "2025-03-26"),
+            (json!("1999-01-01"), LATEST),
+            (Value::Null, LATEST),
+        ] {
+            let params = json!({"protocolVersion": asked, "capabilities": {}});
+            let msg =
+                json!({"jsonrpc": "2.0", "id": "a", "method": "initialize", "params": params});
+            let r = ask(&s, msg).await;
+            assert_eq!(r["id"], "a");
+            assert_eq!(r["result"]["protocolVersion"], got);
+            assert_eq!(r["result"]["serverInfo"]["name"], "turnstile");
+            assert_eq!(r["result"]["capabilities"]["tools"]["listChanged"], false);
+            assert!(r["result"]["instructions"].is_string());
+        }
+    }
+
+    #[tokio::test]
+    async fn tools_list_names_and_required_fields() {
+        let (s, _) = server(None, None);
+        let r = ask(
+            &s,
+            json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
+        )
+        .await;
+        let tools = r["result"]["tools"].as_array().expect("tools");
+        let names: Vec<&str> = tools.iter().filter_map(|t| t["name"].as_str()).collect();
+        assert_eq!(names, ["start_step", "step_status", "list_steps"]);
+        assert_eq!(tools[0]["inputSchema"]["required"], json!(["name"]));
+        assert_eq!(tools[1]["inputSchema"]["required"], json!(["id"]));
+        assert!(tools.iter().all(|t| t["inputSchema"]["type"] == "object"));
+    }
+
+    #[tokio::test]
+    async fn protocol_errors_and_notifications() {
+        let (s, _) = server(None, None);
+        let r = ask(&s, json!({"jsonrpc": "2.0", "id": 2, "method": "nope"})).await;
+        assert_eq!(r["error"]["code"], -32601);
+        assert_eq!(r["id"], 2);
+        let r = ask(&s, json!({"jsonrpc": "2.0", "id": 3, "method": "ping"})).await;
+        assert_eq!(r["result"], json!({}));
+        let r = s.handle_message("{not json").await.expect("reply");
+        assert_eq!(
+            (r["error"]["code"].clone(), r["id"].clone()),
+            (json!(-32700), Value::Null)
+        );
+        let r = s
+            .handle_message(r#"[{"jsonrpc":"2.0","id":1,"method":"ping"}]"#)
+            .await;
+        assert_eq!(r.expect("reply")["error"]["code"], -32600);
+        let r = ask(
+            &s,
+            json!({"jsonrpc": "2.0", "id": 4, "method": "tools/call",
+            "params": {"name": "rm_rf"}}),
+        )
+        .await;
+        assert_eq!(r["error"]["code"], -32602);
+        let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+        assert!(s.handle_message(&note.to_string()).await.is_none());
+        let unknown = json!({"jsonrpc": "2.0", "method": "notifications/whatever"});
+        assert!(s.handle_message(&unknown.to_string()).await.is_none());
+        assert!(s.handle_message("  \n").await.is_none());
+    }
+
+    #[tokio::test]
+    async fn tool_calls_without_credentials_explain_the_env() {
+        let (s, fake) = server(None, None);
+        let (is_error, text) = call_tool(&s, "list_steps", json!({})).await;
+        assert!(is_error);
+        assert!(text.contains("TURNSTILE_SESSION") && text.contains("TURNSTILE_STEP_TOKEN"));
+        assert!(fake.calls.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn bad_arguments_are_tool_errors() {
+        let (s, fake) = server(Some(caller()), None);
+        for (tool, args, needle) in [
+            (
+                "start_step",
+                json!({"command": ["ls"]}),
+                "`name` is required",
+            ),
+            ("start_step", json!({"name": "x"}), "`command` is required"),
+            (
+                "start_step",
+                json!({"name": "x", "command": "ls -l"}),
+                "array of strings",
+            ),
+            (
+                "start_step",
+                json!({"name": "x", "command": ["ls", 1]}),
+                "array of strings",
+            ),
+            (
+                "start_step",
+                json!({"name": "x", "command": ["ls"], "scope": "forever"}),
+                "scope",
+            ),
+            (
+                "start_step",
+                json!({"name": "x", "kind": "external"}),
+                "`queue` is required",
+            ),
+            (
+                "start_step",
+                json!({"name": "x", "kind": "lambda"}),
+                "unknown `kind`",
+            ),
+            (
+                "start_step",
+                json!({"name": "x", "cmd": ["ls"]}),
+                "unknown argument `cmd`",
+            ),
+            ("step_status", json!({}), "`id` is required"),
+            ("step_status", json!({"id": 5}), "must be a string"),
+            ("step_status", json!({"id": "trn_abc"}), "bad `id`"),
+            ("list_steps", json!({"all": true}), "takes no arguments"),
+            ("list_steps", json!([1]), "arguments must be an object"),
+        ] {
+            let (is_error, text) = call_tool(&s, tool, args.clone()).await;
+            assert!(is_error, "{tool} {args}");
+            assert!(text.contains(needle), "{tool} {args}: {text}");
+        }
+        assert!(fake.calls.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn start_step_sends_the_request_and_reports_the_record() {
+        let id = StepId::new();
+        let (s, fake) = server(Some(caller()), Some(record(&id)));
+        let args = json!({"name": "build", "command": ["cargo", "build"], "scope": "run"});
+        let (is_error, text) = call_tool(&s, "start_step", args).await;
+        assert!(!is_error, "{text}");
+        assert!(text.starts_with(&format!("started step {id} (build, scope run)")));
+        assert!(!text.contains("secret-token"));
+        let calls = fake.calls.lock().unwrap();
+        let (subject, req) = &calls[0];
+        assert_eq!(subject, subj::STEPS_START);
+        assert_eq!(
+            req["work"],
+            json!({"kind": "command", "argv": ["cargo", "build"]})
+        );
+        assert_eq!(req["scope"], "run");
+        assert!(req["id"].as_str().is_some_and(|i| i.starts_with("stp_")));
+        assert_eq!(req["caller"]["token"], "tok");
+    }
+
+    #[tokio::test]
+    async fn status_list_and_api_failures() {
+        let id = StepId::new();
+        let (s, fake) = server(Some(caller()), Some(record(&id)));
+        let (is_error, text) = call_tool(&s, "step_status", json!({"id": id.to_string()})).await;
+        assert!(!is_error, "{text}");
+        assert!(text.starts_with(&format!("{id} queued")));
+        assert_eq!(fake.calls.lock().unwrap()[0].1["step"], id.to_string());
+
+        let (s, _) = server(Some(caller()), Some(json!([record(&id)])));
+        let (is_error, text) = call_tool(&s, "list_steps", Value::Null).await;
+        assert!(!is_error, "{text}");
+        assert!(text.starts_with(&format!("{id} queued [run] build")));
+
+        let (s, _) = server(Some(caller()), None);
+        let (is_error, text) = call_tool(&s, "list_steps", json!({})).await;
+        assert!(is_error && text.contains("no NATS"), "{text}");
+    }
 }

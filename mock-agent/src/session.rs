@@ -56,6 +56,9 @@ impl<W: Write> Session<W> {
         self.transcript
             .append(&self.conversation, message)
             .context("recording message")?;
+        if let Some(think) = think_time() {
+            spin(&mut self.out, Some(think))?;
+        }
         let mut reply = ReplyBuilder::default();
         for text in message.lines() {
             let line = parse_line(text);
@@ -108,6 +111,13 @@ pub fn drive<R: Read, W: Write>(session: &mut Session<W>, input: R) -> Result<i3
             }
         }
     }
+}
+
+/// Extra time spent on every message, from `TURNSTILE_MOCK_THINK` (e.g. `500ms`): lets fault
+/// tests act while any turn, deliveries included, is still running.
+fn think_time() -> Option<std::time::Duration> {
+    let v = std::env::var("TURNSTILE_MOCK_THINK").ok()?;
+    crate::duration::parse_duration(v.trim()).ok()
 }
 
 #[cfg(test)]

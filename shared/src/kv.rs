@@ -168,6 +168,7 @@ impl Bucket {
         F: FnMut(Option<&T>) -> Change<T>,
     {
         const ATTEMPTS: u32 = 16;
+        let mut attempt = 0u64;
         for _ in 0..ATTEMPTS {
             let current = match known.take() {
                 Some(k) => Some(k),
@@ -185,6 +186,10 @@ impl Bucket {
             if written.is_some() {
                 return Ok(Some(next));
             }
+            attempt += 1;
+            // Lost to another writer: back off a little, randomly, so contenders spread out.
+            let jitter = u64::from(uuid::Uuid::new_v4().as_bytes()[0]) % (attempt * 4);
+            tokio::time::sleep(std::time::Duration::from_millis(jitter)).await;
         }
         Err(KvError::Contended {
             bucket: self.name.clone(),

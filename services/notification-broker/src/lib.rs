@@ -8,11 +8,13 @@ mod ended;
 mod registry;
 mod turns;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::config::{Connected, StartError};
 use turnstile_shared::topology::{Buckets, TopologyConfig};
+use turnstile_shared::ExecutionId;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -44,6 +46,26 @@ pub(crate) struct Ctx {
     pub js: async_nats::jetstream::Context,
     pub buckets: Buckets,
     pub topology: TopologyConfig,
+    parent_locks: std::sync::Mutex<HashMap<ExecutionId, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Ctx {
+    fn parent_lock(&self, parent: &ExecutionId) -> Arc<tokio::sync::Mutex<()>> {
+        match self.parent_locks.lock() {
+            Ok(mut m) => m.entry(parent.clone()).or_default().clone(),
+            Err(_) => Arc::default(),
+        }
+    }
+
+    /// Forgets the lock once nobody else holds or waits on it.
+    fn release_parent_lock(&self, parent: &ExecutionId, lock: Arc<tokio::sync::Mutex<()>>) {
+        if let Ok(mut m) = self.parent_locks.lock() {
+            // Ours plus the map's: nobody else has it.
+            if Arc::strong_count(&lock) == 2 {
+                m.remove(parent);
+            }
+        }
+    }
 }
 
 /// Runs the broker until `shutdown` is cancelled. Several replicas may run: the API is a
@@ -60,6 +82,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         js,
         buckets,
         topology: config.topology.clone(),
+        parent_locks: Default::default(),
     });
     tracing::info!(replica = %config.replica, "notification-broker running");
     let (api, (), ()) = tokio::join!(

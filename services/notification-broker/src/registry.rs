@@ -127,8 +127,23 @@ fn turn_name(text: &str) -> String {
     name
 }
 
-/// Appends `child` to the parent's index (idempotent).
+/// Appends `child` to the parent's index (idempotent). Starts under one parent are
+/// serialized in this replica, so a burst of them (an agent starting 1,000 steps) does not
+/// turn into a compare-and-set storm on the parent's record.
 pub(crate) async fn add_child(
+    ctx: &Ctx,
+    parent: &ExecutionId,
+    child: &ExecutionId,
+) -> Result<(), KvError> {
+    let lock = ctx.parent_lock(parent);
+    let _held = lock.lock().await;
+    let result = append_child(ctx, parent, child).await;
+    drop(_held);
+    ctx.release_parent_lock(parent, lock);
+    result
+}
+
+async fn append_child(
     ctx: &Ctx,
     parent: &ExecutionId,
     child: &ExecutionId,
@@ -255,17 +270,22 @@ async fn build(
     let mut nodes = Vec::new();
     let mut settled = record.status.is_terminal();
     if depth < MAX_DEPTH {
-        for child in &record.children {
-            if *budget == 0 {
-                settled = false;
-                break;
+        let take = record.children.len().min(*budget);
+        if take < record.children.len() {
+            settled = false;
+        }
+        *budget -= take;
+        // Children are read a few dozen at a time; grandchildren after.
+        let mut children = Vec::with_capacity(take);
+        for chunk in record.children[..take].chunks(32) {
+            for r in futures::future::join_all(chunk.iter().map(|c| get(ctx, c))).await {
+                children.push(r?);
             }
-            *budget -= 1;
-            if let Some(rec) = get(ctx, child).await? {
-                let node = Box::pin(build(ctx, rec, depth + 1, budget)).await?;
-                settled &= node.settled;
-                nodes.push(node);
-            }
+        }
+        for rec in children.into_iter().flatten() {
+            let node = Box::pin(build(ctx, rec, depth + 1, budget)).await?;
+            settled &= node.settled;
+            nodes.push(node);
         }
     } else if !record.children.is_empty() {
         settled = false;

@@ -87,3 +87,148 @@ async fn ten_steps(stack: &mut Stack, turn_secs: u64) -> Result<()> {
     );
     Ok(())
 }
+
+/// Acceptance 7: 1,000 steps finishing within one turn arrive in ceil(1000 / cap) delivery
+/// turns, each listed exactly once, none lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_steps_arrive_in_as_few_deliveries_as_the_cap_allows() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = thousand(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn thousand(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::delivery::DELIVERY_CAP;
+    const N: usize = 1000;
+    let s = stack.create_session("bulk", None).await?;
+    let turn = stack
+        .send(&s, &format!("!step bulk 1s --count {N}\n!sleep 25s"))
+        .await?;
+    let turn_exec = ExecutionId::from(&turn);
+    let tree = crate::stack::wait_until_tree(stack, &turn_exec, Duration::from_secs(60), |t| {
+        t.nodes.len() == N && t.nodes.iter().all(|n| n.record.status.is_terminal())
+    })
+    .await?;
+    ensure!(
+        !stack.turn(&turn).await?.context("turn")?.state.is_terminal(),
+        "the turn ended before its 1,000 steps did; lengthen it"
+    );
+    let expected_deliveries = N.div_ceil(DELIVERY_CAP);
+    let deliveries =
+        crate::stack::wait_deliveries(stack, &s, expected_deliveries, Duration::from_secs(90))
+            .await?;
+    let mut listed: Vec<String> = deliveries.iter().flat_map(|d| listed_steps(&d.text)).collect();
+    ensure!(listed.len() == N, "{} results listed, want {N}", listed.len());
+    listed.sort();
+    listed.dedup();
+    ensure!(listed.len() == N, "a result was listed twice");
+    let mut steps: Vec<String> = tree.nodes.iter().map(|n| n.record.id.to_string()).collect();
+    steps.sort();
+    ensure!(listed == steps, "the deliveries list exactly the turn's steps");
+    // No further delivery comes (give the lane a turn to prove it is idle).
+    let last = stack.send(&s, "anything else?").await?;
+    stack.all_complete(&[last]).await?;
+    ensure!(
+        stack.delivery_turns(&s).await?.len() == expected_deliveries,
+        "exactly {expected_deliveries} delivery turns"
+    );
+    Ok(())
+}
+
+/// Acceptance 4 (R3, R14): the broker is SIGKILLed between a step's end and its delivery;
+/// then, with the delivery turn completed but its completions not yet acked, the lane replica
+/// (the service that acks them) and the broker are both SIGKILLed. Every result reaches the
+/// agent exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_broker_and_lane_hand_every_result_over_exactly_once() -> Result<()> {
+    // Every agent message takes 1 s, so the delivery turn can be caught while it runs.
+    let mut stack = Stack::start_with(&["a"], &["h1"], &[("TURNSTILE_MOCK_THINK", "1s")]).await?;
+    let r = broker_and_lane_killed(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn broker_and_lane_killed(stack: &mut Stack) -> Result<()> {
+    use crate::stack::signal;
+    let s = stack.create_session("faults", None).await?;
+
+    // 1. The step ends while the broker is dead; its report waits for the restarted broker.
+    let t1 = stack.send(&s, "!step first 1500ms\n!sleep 4s").await?;
+    let t1x = ExecutionId::from(&t1);
+    let tree = crate::stack::wait_until_tree(stack, &t1x, Duration::from_secs(20), |t| {
+        t.nodes.len() == 1 && t.nodes[0].record.status.name() == "running"
+    })
+    .await?;
+    let first = tree.nodes[0].record.id.clone();
+    stack.brokers.get_mut("b1").context("b1")?.kill().await?;
+    stack.wait_turn(&t1, Duration::from_secs(30)).await?;
+    ensure!(
+        stack.exec(&first).await?.context("first")?.status.name() == "running",
+        "with the broker dead, the step's end is not recorded yet"
+    );
+    stack.spawn_broker("b2")?;
+    let d1 = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(40)).await?;
+    ensure!(listed_steps(&d1[0].text) == vec![first.to_string()]);
+
+    // 2. The second delivery turn completes while the lane replica is frozen, so its
+    // completions are not acked; then the lane and the broker die.
+    let t2 = stack.send(&s, "!step second 500ms\n!sleep 2s").await?;
+    stack.wait_turn(&t2, Duration::from_secs(30)).await?;
+    let lane_pid = stack.lanes.get("a").and_then(|p| p.pid()).context("lane pid")?;
+    let running = wait_delivery_running(stack, &s, 2).await?;
+    signal(lane_pid, "STOP")?;
+    let done = stack.wait_turn(&running, Duration::from_secs(30)).await?;
+    ensure!(matches!(done.state, TurnState::Completed { .. }), "{:?}", done.state);
+    let pending = completion_backlog(stack, &s).await?;
+    ensure!(pending > 0, "the frozen lane had not acked the carried completion yet");
+    stack.lanes.get_mut("a").context("a")?.kill().await?;
+    stack.brokers.get_mut("b2").context("b2")?.kill().await?;
+    stack.spawn_broker("b3")?;
+    stack.spawn_lane("a2")?;
+    turnstile_tests::wait_until("carried completions acked", Duration::from_secs(30), || async {
+        Ok((completion_backlog(stack, &s).await? == 0).then_some(()))
+    })
+    .await?;
+
+    // 3. The lane goes on; nothing is handed over a second time.
+    let t3 = stack.send(&s, "last message").await?;
+    stack.all_complete(&[t3]).await?;
+    let deliveries = stack.delivery_turns(&s).await?;
+    ensure!(deliveries.len() == 2, "two delivery turns, got {}", deliveries.len());
+    let transcript = stack.transcript(&s).await?;
+    let handed: Vec<String> = transcript.iter().flat_map(|m| listed_steps(m)).collect();
+    ensure!(handed.len() == 2, "each result handed over once: {handed:?}");
+    ensure!(handed[0] == first.to_string(), "{handed:?}");
+    ensure!(transcript.len() == 5, "messages: {transcript:?}");
+    Ok(())
+}
+
+/// The session's delivery turn number `n` (1-based), once it is being typed.
+async fn wait_delivery_running(
+    stack: &Stack,
+    s: &turnstile_shared::SessionId,
+    n: usize,
+) -> Result<turnstile_shared::TurnId> {
+    turnstile_tests::wait_until("delivery turn running", Duration::from_secs(30), || async {
+        let d = stack.delivery_turns(s).await?;
+        Ok(d.get(n - 1).and_then(|r| {
+            matches!(r.state, TurnState::Running { .. }).then(|| r.id.clone())
+        }))
+    })
+    .await
+}
+
+/// Completions of the session still in `TS_COMPLETION` (pending or unacked).
+async fn completion_backlog(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<u64> {
+    let stream = stack
+        .js
+        .get_stream(turnstile_shared::subjects::COMPLETION_STREAM)
+        .await?;
+    let mut subjects = stream
+        .info_with_subjects(turnstile_shared::subjects::completion_session_all(s))
+        .await?;
+    let mut total = 0u64;
+    while let Some(entry) = futures::StreamExt::next(&mut subjects).await {
+        total += entry?.1 as u64;
+    }
+    Ok(total)
+}
