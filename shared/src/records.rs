@@ -4,8 +4,8 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use crate::envelope::{Envelope, EnvelopeError};
 use crate::delivery::DeliveryItem;
+use crate::envelope::{Envelope, EnvelopeError};
 use crate::ids::{ConversationId, DeliveryId, ExecutionId, HostName, SessionId, TurnId};
 
 /// Which adapter drives a session's agent.

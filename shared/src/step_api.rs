@@ -89,11 +89,18 @@ pub struct StepReport {
 #[serde(tag = "report", rename_all = "snake_case")]
 pub enum Report {
     /// The worker took the step and is starting it (refused if another attempt already did).
-    Started { worker: String },
+    Started {
+        worker: String,
+    },
     /// Progress: the worker is alive (R10).
     Heartbeat,
-    Completed { result: StepResult },
-    Failed { reason: String, result: StepResult },
+    Completed {
+        result: StepResult,
+    },
+    Failed {
+        reason: String,
+        result: StepResult,
+    },
 }
 
 /// The broker's answer to a report: the step's status now, so a worker learns of a cancel.
@@ -186,7 +193,11 @@ impl Ended {
         Ok(Envelope::new(step_kind::ENDED, self)?.with_id(format!("{}:ended", self.execution)))
     }
 
-    pub fn cancelled(execution: ExecutionId, reason: &str, started_at: Option<DateTime<Utc>>) -> Self {
+    pub fn cancelled(
+        execution: ExecutionId,
+        reason: &str,
+        started_at: Option<DateTime<Utc>>,
+    ) -> Self {
         Self {
             execution,
             status: ExecStatus::Cancelled {

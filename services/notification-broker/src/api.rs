@@ -9,6 +9,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::ApiError;
 use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::execution::exec_reason;
 use turnstile_shared::execution::{ExecKind, ExecStatus, ExecutionRecord, Scope, StepWork};
 use turnstile_shared::ids::{is_token, new_secret};
 use turnstile_shared::kv::Change;
@@ -18,7 +19,6 @@ use turnstile_shared::step_api::{
     Cancelled, Ended, ExecRef, ListSteps, Report, ReportAck, StartStep, StepKind, StepReport,
     StepStatus, StepWorkItem, TreeNode,
 };
-use turnstile_shared::execution::exec_reason;
 use turnstile_shared::{subjects, ExecutionId};
 
 use crate::auth::{authenticate, same_secret, Identity};
@@ -303,7 +303,9 @@ async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {
                     result,
                 },
             };
-            registry::publish_end(&ctx, &ended).await.map_err(internal)?;
+            registry::publish_end(&ctx, &ended)
+                .await
+                .map_err(internal)?;
             Ok(ack(&ended.status))
         }
         Report::Failed { reason, result } => {
@@ -316,7 +318,9 @@ async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {
                     result,
                 },
             };
-            registry::publish_end(&ctx, &ended).await.map_err(internal)?;
+            registry::publish_end(&ctx, &ended)
+                .await
+                .map_err(internal)?;
             Ok(ack(&ended.status))
         }
     }
@@ -336,7 +340,10 @@ async fn started(
     record: ExecutionRecord,
     worker: String,
 ) -> Result<ReportAck, ApiError> {
-    if let ExecStatus::Running { worker: Some(w), .. } = &record.status {
+    if let ExecStatus::Running {
+        worker: Some(w), ..
+    } = &record.status
+    {
         if *w == worker {
             return Ok(ack(&record.status));
         }
@@ -375,7 +382,9 @@ async fn started(
         .map_err(internal)?
         .ok_or_else(|| ApiError::not_found(format!("no step {}", record.id)))?;
     match &next.status {
-        ExecStatus::Running { worker: Some(w), .. } if *w == worker => {
+        ExecStatus::Running {
+            worker: Some(w), ..
+        } if *w == worker => {
             step_event(ctx, &next, kind::STEP_RUNNING).await;
             Ok(ReportAck {
                 status: next.status.name().to_string(),
@@ -483,7 +492,9 @@ async fn cancel(ctx: Arc<Ctx>, req: ExecRef) -> Result<Cancelled, ApiError> {
                     exec_reason::CANCELLED,
                     record.status.started_at(),
                 );
-                registry::publish_end(&ctx, &ended).await.map_err(internal)?;
+                registry::publish_end(&ctx, &ended)
+                    .await
+                    .map_err(internal)?;
                 cancelled.push(record.id.clone());
             }
         }

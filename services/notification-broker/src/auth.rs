@@ -42,7 +42,11 @@ pub(crate) async fn authenticate(
                 .await
                 .map_err(|e| ApiError::internal(e.to_string()))?;
             match record {
-                Some((r, _)) if r.token.as_deref().is_some_and(|t| same_secret(t, &caller.token)) => {
+                Some((r, _))
+                    if r.token
+                        .as_deref()
+                        .is_some_and(|t| same_secret(t, &caller.token)) =>
+                {
                     Ok(Identity::Step(r))
                 }
                 Some(_) => Err(refuse(ctx, caller, action, "wrong token for this step").await),

@@ -86,7 +86,9 @@ async fn handle(ctx: &Ctx, msg: jetstream::Message) {
         }
         Err(e) => {
             tracing::warn!(execution = %ended.execution, error = %e, "record end; retrying");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_millis(500)))).await;
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+                .await;
         }
     }
 }
@@ -128,7 +130,11 @@ async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
     };
     if let (ExecStatus::Cancelled { .. }, Some(step)) = (&record.status, record.step_id()) {
         // Tell the worker now (it also learns from its next heartbeat), then what it owns.
-        if let Err(e) = ctx.client.publish(subjects::step_cancel(&step), "cancel".into()).await {
+        if let Err(e) = ctx
+            .client
+            .publish(subjects::step_cancel(&step), "cancel".into())
+            .await
+        {
             tracing::debug!(%step, error = %e, "cancel notice");
         }
         registry::cancel_under(ctx, &record, Reach::Owned, exec_reason::PARENT_CANCELLED).await?;
@@ -141,10 +147,7 @@ async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
 }
 
 /// Keeps the start time the record knew (the end message may have been built without it).
-fn with_start(
-    status: &ExecStatus,
-    known: Option<chrono::DateTime<chrono::Utc>>,
-) -> ExecStatus {
+fn with_start(status: &ExecStatus, known: Option<chrono::DateTime<chrono::Utc>>) -> ExecStatus {
     let mut s = status.clone();
     match &mut s {
         ExecStatus::Completed { started_at, .. }
@@ -192,8 +195,13 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord) -> Result<(), EndError> {
         .with_id(format!("{}:{target}:routed", record.id));
         events::publish(&ctx.js, &ev).await?;
         if let Some(d) = delivery::arm(&ctx.js, &ctx.buckets.deliveries, &target).await? {
-            let ev = session_event(kind::DELIVERY_QUEUED, &target, None, &json!({ "delivery": d }))?
-                .with_id(format!("{d}:queued"));
+            let ev = session_event(
+                kind::DELIVERY_QUEUED,
+                &target,
+                None,
+                &json!({ "delivery": d }),
+            )?
+            .with_id(format!("{d}:queued"));
             events::publish(&ctx.js, &ev).await?;
         }
     }

@@ -2,9 +2,7 @@
 //! created by the API, the parent-to-children index, the tree walk, and cancellation by
 //! ownership (R6, R7). Every change is a revision compare-and-set.
 
-use turnstile_shared::execution::{
-    ExecKind, ExecStatus, ExecutionRecord, Scope, StepResult,
-};
+use turnstile_shared::execution::{ExecKind, ExecStatus, ExecutionRecord, Scope, StepResult};
 use turnstile_shared::kv::{Change, KvError};
 use turnstile_shared::records::{LaneItem, TurnRecord, TurnState};
 use turnstile_shared::step_api::{Ended, TreeNode};
@@ -143,11 +141,7 @@ pub(crate) async fn add_child(
     result
 }
 
-async fn append_child(
-    ctx: &Ctx,
-    parent: &ExecutionId,
-    child: &ExecutionId,
-) -> Result<(), KvError> {
+async fn append_child(ctx: &Ctx, parent: &ExecutionId, child: &ExecutionId) -> Result<(), KvError> {
     ctx.buckets
         .executions
         .modify::<ExecutionRecord, _>(parent.as_str(), |cur| match cur {

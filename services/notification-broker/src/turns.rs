@@ -65,7 +65,9 @@ async fn handle(ctx: &Ctx, msg: jetstream::Message) {
         }
         Err(e) => {
             tracing::warn!(turn = %turn.id, error = %e, "mirror turn; retrying");
-            let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_millis(500)))).await;
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+                .await;
         }
     }
 }

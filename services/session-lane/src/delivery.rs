@@ -14,10 +14,8 @@ use turnstile_shared::delivery::{self, Completion, DeliveryItem, COMPLETION_KIND
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, kind, session_event};
 use turnstile_shared::execution::ExecutionRecord;
-use turnstile_shared::records::{
-    Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState,
-};
 use turnstile_shared::kv::Bucket;
+use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::{deadletter, subjects, topology, SessionId};
 
 use crate::lane::{dispatch, finish, release, wait_terminal};
@@ -56,7 +54,9 @@ pub(crate) async fn run_delivery(
     let (record, held) = match existing {
         Some(record) => (record, Vec::new()),
         None => {
-            if let Err(e) = delivery::disarm(&ctx.buckets.deliveries, &session.id, &item.delivery).await {
+            if let Err(e) =
+                delivery::disarm(&ctx.buckets.deliveries, &session.id, &item.delivery).await
+            {
                 return retry(e.into()).await;
             }
             let (carried, held, more) = match collect(ctx, session).await {
@@ -74,7 +74,9 @@ pub(crate) async fn run_delivery(
             let record = TurnRecord {
                 id: turn_id.clone(),
                 session: session.id.clone(),
-                text: delivery::render_batch(&carried.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>()),
+                text: delivery::render_batch(
+                    &carried.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>(),
+                ),
                 queued_at: Utc::now(),
                 delivery: Some(Carried {
                     delivery: item.delivery.clone(),
@@ -139,7 +141,8 @@ async fn collect(
     ctx: &Ctx,
     session: &SessionRecord,
 ) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>, bool), DeliveryError> {
-    let consumer = topology::ensure_completion_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    let consumer =
+        topology::ensure_completion_consumer(&ctx.js, &ctx.topology, &session.id).await?;
     let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
         session: session.id.clone(),
         source: e,
@@ -178,7 +181,11 @@ enum Refusal {
 }
 
 /// A completion is handed over only to its owner or a registered watcher (R8).
-async fn check(ctx: &Ctx, session: &SessionId, m: &jetstream::Message) -> Result<Completion, Refusal> {
+async fn check(
+    ctx: &Ctx,
+    session: &SessionId,
+    m: &jetstream::Message,
+) -> Result<Completion, Refusal> {
     let env = Envelope::decode(&m.payload).map_err(|e| Refusal::Reject(e.to_string()))?;
     env.expect_kind(COMPLETION_KIND)
         .map_err(|e| Refusal::Reject(e.to_string()))?;
@@ -200,7 +207,9 @@ async fn check(ctx: &Ctx, session: &SessionId, m: &jetstream::Message) -> Result
         Some((r, _)) => Err(Refusal::Reject(format!(
             "execution {} belongs to {}; session {session} neither owns nor watches it",
             r.id,
-            r.owner.as_ref().map_or("no owner".to_string(), |o| o.to_string())
+            r.owner
+                .as_ref()
+                .map_or("no owner".to_string(), |o| o.to_string())
         ))),
         None => Err(Refusal::Reject(format!(
             "no execution {} in the registry",
@@ -228,7 +237,12 @@ async fn reject(ctx: &Ctx, session: &SessionId, m: &jetstream::Message, reason: 
 
 /// After the delivery turn: completed → ack what it carried (messages held now, or by
 /// sequence for a delivery resumed after a crash); failed → leave them pending (R3).
-async fn settle(ctx: &Ctx, session: &SessionRecord, record: &TurnRecord, held: &[jetstream::Message]) {
+async fn settle(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    record: &TurnRecord,
+    held: &[jetstream::Message],
+) {
     let Some(carried) = &record.delivery else {
         return;
     };
@@ -250,7 +264,11 @@ async fn settle(ctx: &Ctx, session: &SessionRecord, record: &TurnRecord, held: &
             let _ = h.ack_with(AckKind::Nak(None)).await;
         }
     }
-    let k = if completed { kind::DELIVERY_COMPLETED } else { kind::DELIVERY_FAILED };
+    let k = if completed {
+        kind::DELIVERY_COMPLETED
+    } else {
+        kind::DELIVERY_FAILED
+    };
     let data = json!({
         "delivery": carried.delivery,
         "turn": record.id,
@@ -288,7 +306,12 @@ async fn arm(ctx: &Ctx, session: &SessionId) {
 async fn arm_with(js: &jetstream::Context, deliveries: &Bucket, session: &SessionId) {
     match delivery::arm(js, deliveries, session).await {
         Ok(Some(d)) => {
-            if let Ok(ev) = session_event(kind::DELIVERY_QUEUED, session, None, &json!({ "delivery": d })) {
+            if let Ok(ev) = session_event(
+                kind::DELIVERY_QUEUED,
+                session,
+                None,
+                &json!({ "delivery": d }),
+            ) {
                 let _ = events::publish(js, &ev.with_id(format!("{d}:queued"))).await;
             }
         }
@@ -307,7 +330,10 @@ pub(crate) fn rearm_if_pending(ctx: &Ctx, session: &SessionId) {
         let Ok(stream) = js.get_stream_no_info(subjects::COMPLETION_STREAM).await else {
             return;
         };
-        let pending = match stream.consumer_info(subjects::completion_consumer(&session)).await {
+        let pending = match stream
+            .consumer_info(subjects::completion_consumer(&session))
+            .await
+        {
             Ok(info) => info.num_pending + info.num_ack_pending as u64,
             Err(_) => 0,
         };

@@ -165,7 +165,12 @@ async fn handle_item(
 
 /// R15: a lane item this build cannot take goes to the dead-letter subject with the reason, an
 /// event says so, and the lane moves on to the next item.
-pub(crate) async fn reject(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, reason: &str) {
+pub(crate) async fn reject(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: &jetstream::Message,
+    reason: &str,
+) {
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
     let dlq = subjects::lane_deadletter(&session.id);
     let event = session_event(
@@ -341,7 +346,12 @@ pub(crate) async fn wait_terminal(
 }
 
 /// Emits the outcome event (derived from the durable record) and frees the lane.
-pub(crate) async fn finish(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message, record: &TurnRecord) {
+pub(crate) async fn finish(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: &jetstream::Message,
+    record: &TurnRecord,
+) {
     let event = match outcome_event(record) {
         Ok(ev) => Some(ev),
         Err(e) => {

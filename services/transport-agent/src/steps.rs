@@ -103,13 +103,25 @@ async fn run_step(
     cwd: Option<&str>,
     shutdown: &CancellationToken,
 ) -> Option<Report> {
-    let started = call(ctx, item, Report::Started { worker: ctx.worker.clone() }, shutdown).await?;
+    let started = call(
+        ctx,
+        item,
+        Report::Started {
+            worker: ctx.worker.clone(),
+        },
+        shutdown,
+    )
+    .await?;
     if started.stop {
         tracing::info!(step = %item.step, status = started.status, "step not started here");
         return None;
     }
     // Subscribe before spawning, so a cancel sent the moment it starts is not missed.
-    let mut cancel = match ctx.client.subscribe(subjects::step_cancel(&item.step)).await {
+    let mut cancel = match ctx
+        .client
+        .subscribe(subjects::step_cancel(&item.step))
+        .await
+    {
         Ok(s) => Some(s),
         Err(e) => {
             tracing::warn!(step = %item.step, error = %e, "cancel subscription; relying on heartbeats");
@@ -148,11 +160,21 @@ async fn run_step(
     };
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
     let readers = [
-        child.stdout.take().map(|o| tokio::spawn(keep_tail(o, tail.clone()))),
-        child.stderr.take().map(|e| tokio::spawn(keep_tail(e, tail.clone()))),
+        child
+            .stdout
+            .take()
+            .map(|o| tokio::spawn(keep_tail(o, tail.clone()))),
+        child
+            .stderr
+            .take()
+            .map(|e| tokio::spawn(keep_tail(e, tail.clone()))),
     ];
     let pgid = child.id();
-    let period = ctx.config.topology.progress_interval().min(Duration::from_secs(5));
+    let period = ctx
+        .config
+        .topology
+        .progress_interval()
+        .min(Duration::from_secs(5));
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     let status = loop {
         tokio::select! {
@@ -181,7 +203,10 @@ async fn run_step(
     for r in readers.into_iter().flatten() {
         let _ = tokio::time::timeout(Duration::from_secs(1), r).await;
     }
-    let output: Vec<String> = tail.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default();
+    let output: Vec<String> = tail
+        .lock()
+        .map(|t| t.iter().cloned().collect())
+        .unwrap_or_default();
     let last = output.last().cloned().unwrap_or_default();
     Some(match status {
         Ok(Ok(s)) if s.success() => Report::Completed {
@@ -238,15 +263,19 @@ async fn keep_tail(out: impl AsyncRead + Unpin, tail: Arc<Mutex<VecDeque<String>
     }
 }
 
-/// Kills the step's whole process group (a shell and what it started).
+/// Kills the step's whole process group (a shell and what it started). A system call, not
+/// the `kill` program: some `kill` builds read `-KILL -<pgid>` as "every process".
 async fn kill_group(pgid: Option<u32>) {
-    let Some(pgid) = pgid else { return };
-    let _ = tokio::process::Command::new("kill")
-        .args(["-KILL", &format!("-{pgid}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .await;
+    let Some(pid) = pgid
+        .and_then(|p| i32::try_from(p).ok())
+        .filter(|p| *p > 1)
+        .and_then(rustix::process::Pid::from_raw)
+    else {
+        return;
+    };
+    if let Err(e) = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL) {
+        tracing::debug!(pgid = pid.as_raw_nonzero().get(), error = %e, "kill step process group");
+    }
 }
 
 /// One report; `None` if the broker could not be reached before shutdown.
@@ -263,14 +292,24 @@ async fn call(
     };
     let mut delay = Duration::from_millis(200);
     loop {
-        match api::call::<_, ReportAck>(&ctx.client, subjects::api::STEPS_REPORT, &req, CALL_TIMEOUT).await {
+        match api::call::<_, ReportAck>(
+            &ctx.client,
+            subjects::api::STEPS_REPORT,
+            &req,
+            CALL_TIMEOUT,
+        )
+        .await
+        {
             Ok(ack) => return Some(ack),
             Err(ApiError { code, message }) if code == "timeout" || code == "unavailable" => {
                 tracing::warn!(step = %item.step, %message, "broker unreachable; retrying report");
             }
             Err(e) => {
                 tracing::warn!(step = %item.step, error = %e, "report refused");
-                return Some(ReportAck { status: e.code, stop: true });
+                return Some(ReportAck {
+                    status: e.code,
+                    stop: true,
+                });
             }
         }
         tokio::select! {

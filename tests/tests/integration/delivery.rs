@@ -34,7 +34,12 @@ async fn ten_steps(stack: &mut Stack, turn_secs: u64) -> Result<()> {
     .await?;
     let steps: Vec<String> = tree.nodes.iter().map(|n| n.record.id.to_string()).collect();
     ensure!(
-        !stack.turn(&turn).await?.context("turn")?.state.is_terminal(),
+        !stack
+            .turn(&turn)
+            .await?
+            .context("turn")?
+            .state
+            .is_terminal(),
         "the turn ended before its steps did; lengthen it"
     );
     // A delivery waits on the lane, queued, and is nobody's running child (R2).
@@ -53,34 +58,65 @@ async fn ten_steps(stack: &mut Stack, turn_secs: u64) -> Result<()> {
         "the turn in flight is the long turn, not a delivery: {:?}",
         view.in_flight
     );
-    ensure!(view.queued == 1, "one delivery waits, queued: {}", view.queued);
+    ensure!(
+        view.queued == 1,
+        "one delivery waits, queued: {}",
+        view.queued
+    );
     let tree = stack.tree(&turn_exec).await?;
     ensure!(
-        tree.nodes.len() == 10 && tree.nodes.iter().all(|n| n.record.kind == turnstile_shared::execution::ExecKind::Step),
+        tree.nodes.len() == 10
+            && tree
+                .nodes
+                .iter()
+                .all(|n| n.record.kind == turnstile_shared::execution::ExecKind::Step),
         "the turn's children are its ten steps only: {:?}",
-        tree.nodes.iter().map(|n| (&n.record.id, n.record.kind)).collect::<Vec<_>>()
+        tree.nodes
+            .iter()
+            .map(|n| (&n.record.id, n.record.kind))
+            .collect::<Vec<_>>()
     );
     let events = stack.events().await?;
     ensure!(
-        events.iter().filter(|e| e.kind == "turn.started" && e.session.as_ref() == Some(&s)).count() == 1,
+        events
+            .iter()
+            .filter(|e| e.kind == "turn.started" && e.session.as_ref() == Some(&s))
+            .count()
+            == 1,
         "no delivery started during the turn"
     );
 
     // After the turn: exactly one delivery turn, carrying all ten.
-    let done = stack.wait_turn(&turn, Duration::from_secs(turn_secs + 30)).await?;
-    ensure!(matches!(done.state, TurnState::Completed { .. }), "{:?}", done.state);
+    let done = stack
+        .wait_turn(&turn, Duration::from_secs(turn_secs + 30))
+        .await?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
     let deliveries = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(30)).await?;
     let d = &deliveries[0];
-    ensure!(matches!(d.state, TurnState::Completed { .. }), "delivery: {:?}", d.state);
+    ensure!(
+        matches!(d.state, TurnState::Completed { .. }),
+        "delivery: {:?}",
+        d.state
+    );
     let mut listed = listed_steps(&d.text);
     listed.sort();
     let mut expected = steps.clone();
     expected.sort();
-    ensure!(listed == expected, "delivery lists {listed:?}, steps were {expected:?}");
+    ensure!(
+        listed == expected,
+        "delivery lists {listed:?}, steps were {expected:?}"
+    );
     // Nothing more is delivered, and the agent got exactly two messages.
     let transcript = stack.transcript(&s).await?;
     ensure!(transcript.len() == 2, "messages: {transcript:?}");
-    ensure!(transcript[1] == d.text, "the agent got the delivery message as typed");
+    ensure!(
+        transcript[1] == d.text,
+        "the agent got the delivery message as typed"
+    );
     ensure!(
         stack.delivery_turns(&s).await?.len() == 1,
         "exactly one delivery turn"
@@ -110,21 +146,36 @@ async fn thousand(stack: &mut Stack) -> Result<()> {
     })
     .await?;
     ensure!(
-        !stack.turn(&turn).await?.context("turn")?.state.is_terminal(),
+        !stack
+            .turn(&turn)
+            .await?
+            .context("turn")?
+            .state
+            .is_terminal(),
         "the turn ended before its 1,000 steps did; lengthen it"
     );
     let expected_deliveries = N.div_ceil(DELIVERY_CAP);
     let deliveries =
         crate::stack::wait_deliveries(stack, &s, expected_deliveries, Duration::from_secs(90))
             .await?;
-    let mut listed: Vec<String> = deliveries.iter().flat_map(|d| listed_steps(&d.text)).collect();
-    ensure!(listed.len() == N, "{} results listed, want {N}", listed.len());
+    let mut listed: Vec<String> = deliveries
+        .iter()
+        .flat_map(|d| listed_steps(&d.text))
+        .collect();
+    ensure!(
+        listed.len() == N,
+        "{} results listed, want {N}",
+        listed.len()
+    );
     listed.sort();
     listed.dedup();
     ensure!(listed.len() == N, "a result was listed twice");
     let mut steps: Vec<String> = tree.nodes.iter().map(|n| n.record.id.to_string()).collect();
     steps.sort();
-    ensure!(listed == steps, "the deliveries list exactly the turn's steps");
+    ensure!(
+        listed == steps,
+        "the deliveries list exactly the turn's steps"
+    );
     // No further delivery comes (give the lane a turn to prove it is idle).
     let last = stack.send(&s, "anything else?").await?;
     stack.all_complete(&[last]).await?;
@@ -173,30 +224,50 @@ async fn broker_and_lane_killed(stack: &mut Stack) -> Result<()> {
     // completions are not acked; then the lane and the broker die.
     let t2 = stack.send(&s, "!step second 500ms\n!sleep 2s").await?;
     stack.wait_turn(&t2, Duration::from_secs(30)).await?;
-    let lane_pid = stack.lanes.get("a").and_then(|p| p.pid()).context("lane pid")?;
+    let lane_pid = stack
+        .lanes
+        .get("a")
+        .and_then(|p| p.pid())
+        .context("lane pid")?;
     let running = wait_delivery_running(stack, &s, 2).await?;
-    signal(lane_pid, "STOP")?;
+    signal(lane_pid, rustix::process::Signal::STOP)?;
     let done = stack.wait_turn(&running, Duration::from_secs(30)).await?;
-    ensure!(matches!(done.state, TurnState::Completed { .. }), "{:?}", done.state);
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
     let pending = completion_backlog(stack, &s).await?;
-    ensure!(pending > 0, "the frozen lane had not acked the carried completion yet");
+    ensure!(
+        pending > 0,
+        "the frozen lane had not acked the carried completion yet"
+    );
     stack.lanes.get_mut("a").context("a")?.kill().await?;
     stack.brokers.get_mut("b2").context("b2")?.kill().await?;
     stack.spawn_broker("b3")?;
     stack.spawn_lane("a2")?;
-    turnstile_tests::wait_until("carried completions acked", Duration::from_secs(30), || async {
-        Ok((completion_backlog(stack, &s).await? == 0).then_some(()))
-    })
+    turnstile_tests::wait_until(
+        "carried completions acked",
+        Duration::from_secs(30),
+        || async { Ok((completion_backlog(stack, &s).await? == 0).then_some(())) },
+    )
     .await?;
 
     // 3. The lane goes on; nothing is handed over a second time.
     let t3 = stack.send(&s, "last message").await?;
     stack.all_complete(&[t3]).await?;
     let deliveries = stack.delivery_turns(&s).await?;
-    ensure!(deliveries.len() == 2, "two delivery turns, got {}", deliveries.len());
+    ensure!(
+        deliveries.len() == 2,
+        "two delivery turns, got {}",
+        deliveries.len()
+    );
     let transcript = stack.transcript(&s).await?;
     let handed: Vec<String> = transcript.iter().flat_map(|m| listed_steps(m)).collect();
-    ensure!(handed.len() == 2, "each result handed over once: {handed:?}");
+    ensure!(
+        handed.len() == 2,
+        "each result handed over once: {handed:?}"
+    );
     ensure!(handed[0] == first.to_string(), "{handed:?}");
     ensure!(transcript.len() == 5, "messages: {transcript:?}");
     Ok(())
@@ -210,9 +281,8 @@ async fn wait_delivery_running(
 ) -> Result<turnstile_shared::TurnId> {
     turnstile_tests::wait_until("delivery turn running", Duration::from_secs(30), || async {
         let d = stack.delivery_turns(s).await?;
-        Ok(d.get(n - 1).and_then(|r| {
-            matches!(r.state, TurnState::Running { .. }).then(|| r.id.clone())
-        }))
+        Ok(d.get(n - 1)
+            .and_then(|r| matches!(r.state, TurnState::Running { .. }).then(|| r.id.clone())))
     })
     .await
 }

@@ -179,10 +179,7 @@ async fn graceful(stack: &mut Stack) -> Result<()> {
         .get(&serving)
         .and_then(|p| p.pid())
         .context("serving pid")?;
-    let term = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()?;
-    ensure!(term.success(), "kill -TERM {pid}");
+    crate::stack::signal(pid, rustix::process::Signal::TERM)?;
     for t in &turns {
         let rec = stack.wait_turn(t, Duration::from_secs(20)).await?;
         ensure!(

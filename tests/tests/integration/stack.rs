@@ -9,10 +9,10 @@ use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use turnstile_shared::api::{self, CreateSession, SendTurn, SessionRef, SessionView};
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord};
-use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::execution::ExecutionRecord;
+use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord};
 use turnstile_shared::step_api::{Caller, ExecRef, StartStep, TreeNode};
+use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::{ExecutionId, SessionId, TurnId};
 use turnstile_tests::{bin_path, wait_until, NatsServer, ServiceProcess};
 
@@ -528,7 +528,9 @@ impl Stack {
             if e.kind == "turn.started" && e.session.as_ref() == Some(session) {
                 if let Some(t) = &e.turn {
                     if let Some(rec) = self.turn(t).await? {
-                        if rec.delivery.is_some() && !out.iter().any(|r: &TurnRecord| r.id == rec.id) {
+                        if rec.delivery.is_some()
+                            && !out.iter().any(|r: &TurnRecord| r.id == rec.id)
+                        {
                             out.push(rec);
                         }
                     }
@@ -549,13 +551,12 @@ pub fn listed_steps(message: &str) -> Vec<String> {
         .collect()
 }
 
-/// Sends a signal to a process (`STOP` freezes a service between two of its writes).
-pub fn signal(pid: u32, sig: &str) -> Result<()> {
-    let status = std::process::Command::new("kill")
-        .arg(format!("-{sig}"))
-        .arg(pid.to_string())
-        .status()?;
-    anyhow::ensure!(status.success(), "kill -{sig} {pid} failed");
+/// Sends a signal to one process (`STOP` freezes a service between two of its writes).
+pub fn signal(pid: u32, sig: rustix::process::Signal) -> Result<()> {
+    let raw = i32::try_from(pid)?;
+    anyhow::ensure!(raw > 1, "refusing to signal pid {pid}");
+    let pid = rustix::process::Pid::from_raw(raw).context("pid")?;
+    rustix::process::kill_process(pid, sig).with_context(|| format!("signal {raw}"))?;
     Ok(())
 }
 
