@@ -7,60 +7,17 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+
+use crate::inproc::{create_sessions, start_lane, start_transport};
 use futures::StreamExt;
-use tokio_util::sync::CancellationToken;
-use turnstile_shared::api::{self, CreateSession};
 use turnstile_shared::events;
-use turnstile_shared::records::{
-    AgentKind, LaneItem, SessionRecord, TurnItem, TurnRecord, TurnState,
-};
-use turnstile_shared::subjects::{self, api as subj};
+use turnstile_shared::records::{LaneItem, TurnItem, TurnRecord, TurnState};
+use turnstile_shared::subjects;
 use turnstile_shared::{SessionId, TurnId};
 
 pub struct LaneFigures {
     pub handoff: serde_json::Value,
     pub throughput: serde_json::Value,
-}
-
-/// A service running in this process until its token is cancelled.
-struct Running {
-    cancel: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Running {
-    async fn stop(self) {
-        self.cancel.cancel();
-        let _ = self.task.await;
-    }
-}
-
-fn start_lane(url: &str) -> Running {
-    let cancel = CancellationToken::new();
-    let config = turnstile_session_lane::Config::new(url);
-    let task = tokio::spawn({
-        let cancel = cancel.clone();
-        async move {
-            if let Err(e) = turnstile_session_lane::run(config, cancel).await {
-                eprintln!("session-lane: {e}");
-            }
-        }
-    });
-    Running { cancel, task }
-}
-
-fn start_transport(url: &str, dir: &std::path::Path) -> Result<Running> {
-    let cancel = CancellationToken::new();
-    let config = turnstile_transport_agent::Config::new(url, "bench".parse()?, dir.to_path_buf());
-    let task = tokio::spawn({
-        let cancel = cancel.clone();
-        async move {
-            if let Err(e) = turnstile_transport_agent::run(config, cancel).await {
-                eprintln!("transport: {e}");
-            }
-        }
-    });
-    Ok(Running { cancel, task })
 }
 
 pub async fn measure(
@@ -107,41 +64,6 @@ pub async fn measure(
             "turns_per_sec": (all.len() as f64 / seconds).round(),
         }),
     })
-}
-
-async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Vec<SessionId>> {
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        let req = CreateSession {
-            agent: AgentKind::Instant,
-            name: format!("bench-{i}"),
-            host: None,
-            cwd: None,
-        };
-        let mut tries = 0;
-        let rec = loop {
-            match api::call::<_, SessionRecord>(
-                client,
-                subj::SESSION_CREATE,
-                &req,
-                Duration::from_secs(10),
-            )
-            .await
-            {
-                Ok(r) => break r,
-                Err(e)
-                    if ["no_host", "unavailable", "timeout"].contains(&e.code.as_str())
-                        && tries < 100 =>
-                {
-                    tries += 1;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => bail!("create session: {e}"),
-            }
-        };
-        out.push(rec.id);
-    }
-    Ok(out)
 }
 
 /// Publishes `n` turn items per session straight onto the lanes, pipelined.

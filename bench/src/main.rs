@@ -1,7 +1,9 @@
 //! `turnstile-bench lanes`: lane hand-off latency and lane throughput, measured beside the raw
 //! JetStream floor in the same run on the same nats-server. Prints one JSON object.
 
+mod completions;
 mod floor;
+mod inproc;
 mod lanes;
 
 use anyhow::{bail, Result};
@@ -32,13 +34,14 @@ async fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("lanes") => {}
         _ => bail!(
-            "usage: turnstile-bench lanes [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20]"
+            "usage: turnstile-bench lanes [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]"
         ),
     }
     turnstile_shared::telemetry::init_with_default("warn");
     let num =
         |i: usize, default: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
-    let (single, sessions, each) = (num(1, 1000), num(2, 100), num(3, 20));
+    let (single, sessions, each, completions) =
+        (num(1, 1000), num(2, 100), num(3, 20), num(4, 200));
     let nats = turnstile_tests::NatsServer::start().await?;
     let version = std::process::Command::new(turnstile_tests::nats_server_bin()?)
         .arg("--version")
@@ -47,11 +50,13 @@ async fn main() -> Result<()> {
         .unwrap_or_default();
     let floor = floor::measure(&nats, 2000).await?;
     let lanes = lanes::measure(&nats, single, sessions, each).await?;
-    let ratio = |p: &str| {
-        let a = lanes.handoff[p].as_f64().unwrap_or(f64::NAN);
+    let completion = completions::measure(&nats, completions).await?;
+    let ratio_of = |v: &serde_json::Value, p: &str| {
+        let a = v[p].as_f64().unwrap_or(f64::NAN);
         let b = floor[p].as_f64().unwrap_or(f64::NAN);
         ((a / b) * 100.0).round() / 100.0
     };
+    let ratio = |p: &str| ratio_of(&lanes.handoff, p);
     let out = serde_json::json!({
         "nats_server": version,
         "store": "file",
@@ -59,6 +64,11 @@ async fn main() -> Result<()> {
         "lane_handoff": lanes.handoff,
         "handoff_over_floor": { "p50": ratio("p50_us"), "p99": ratio("p99_us") },
         "throughput": lanes.throughput,
+        "completion_to_agent": completion,
+        "completion_over_floor": {
+            "p50": ratio_of(&completion, "p50_us"),
+            "p99": ratio_of(&completion, "p99_us"),
+        },
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

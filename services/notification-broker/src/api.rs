@@ -100,7 +100,7 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
             };
             Ok(Placement {
                 parent,
-                session,
+                session: *session,
                 owner,
                 watchers,
             })
@@ -125,7 +125,7 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
                 _ => (parent.owner.clone(), parent.watchers.clone()),
             };
             Ok(Placement {
-                parent,
+                parent: *parent,
                 session,
                 owner,
                 watchers,
@@ -464,7 +464,7 @@ async fn list(ctx: Arc<Ctx>, req: ListSteps) -> Result<Vec<ExecutionRecord>, Api
         .filter(|r| r.kind == ExecKind::Step && (r.session == session || r.may_receive(&session)))
         .map(|r| r.redacted())
         .collect();
-    steps.sort_by(|a, b| b.created_at.cmp(&a.created_at));
+    steps.sort_by_key(|r| std::cmp::Reverse(r.created_at));
     steps.truncate(LIST_LIMIT);
     Ok(steps)
 }

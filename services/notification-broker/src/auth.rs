@@ -12,8 +12,8 @@ use turnstile_shared::Envelope;
 use crate::Ctx;
 
 pub(crate) enum Identity {
-    Session(SessionRecord),
-    Step(ExecutionRecord),
+    Session(Box<SessionRecord>),
+    Step(Box<ExecutionRecord>),
 }
 
 /// Compares secrets without an early exit, so timing does not reveal a token's prefix.
@@ -47,7 +47,7 @@ pub(crate) async fn authenticate(
                         .as_deref()
                         .is_some_and(|t| same_secret(t, &caller.token)) =>
                 {
-                    Ok(Identity::Step(r))
+                    Ok(Identity::Step(Box::new(r)))
                 }
                 Some(_) => Err(refuse(ctx, caller, action, "wrong token for this step").await),
                 None => Err(refuse(ctx, caller, action, "no such step").await),
@@ -63,7 +63,7 @@ pub(crate) async fn authenticate(
             match record {
                 Some((r, _)) if same_secret(&r.token, &caller.token) => {
                     if r.is_active() {
-                        Ok(Identity::Session(r))
+                        Ok(Identity::Session(Box::new(r)))
                     } else {
                         Err(ApiError::new(
                             "session_stopped",

@@ -152,10 +152,10 @@ fn with_start(status: &ExecStatus, known: Option<chrono::DateTime<chrono::Utc>>)
     match &mut s {
         ExecStatus::Completed { started_at, .. }
         | ExecStatus::Failed { started_at, .. }
-        | ExecStatus::Cancelled { started_at, .. } => {
-            if started_at.is_none() {
-                *started_at = known;
-            }
+        | ExecStatus::Cancelled { started_at, .. }
+            if started_at.is_none() =>
+        {
+            *started_at = known;
         }
         _ => {}
     }

@@ -157,7 +157,7 @@ async fn collect(
     let mut held = Vec::new();
     let mut fetched = 0;
     while let Some(m) = batch.next().await {
-        let m = m.map_err(|e| fetch_err(e))?;
+        let m = m.map_err(&fetch_err)?;
         fetched += 1;
         let seq = m.info().map(|i| i.stream_sequence).unwrap_or_default();
         match check(ctx, &session.id, &m).await {

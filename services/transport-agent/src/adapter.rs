@@ -118,7 +118,16 @@ impl Adapter for InstantAdapter {
         _timeout: Duration,
     ) -> BoxFuture<'a, TurnEnd> {
         let first = text.lines().next().unwrap_or_default().to_string();
+        // `!sleep DUR` lines hold the turn, so a benchmark can act while it runs.
+        let hold: Duration = text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("!sleep "))
+            .filter_map(|d| turnstile_shared::config::parse_duration(d.trim()).ok())
+            .sum();
         Box::pin(async move {
+            if !hold.is_zero() {
+                tokio::time::sleep(hold).await;
+            }
             TurnEnd::Completed {
                 output: vec![format!("ok: {first}")],
             }

@@ -1,0 +1,189 @@
+//! Completion-to-agent latency with an idle lane: a worker reports a step's end; measured to
+//! the moment the transport records the delivery turn that carries it as typed (`typed_at`).
+//! Path: report API, the broker's ended queue, the registry write, the completion and the
+//! delivery item, the lane taking it, collecting the completion, dispatch, the transport.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use chrono::Utc;
+use futures::StreamExt;
+use turnstile_shared::api::{self, SendTurn, SessionRef, SessionView};
+use turnstile_shared::envelope::Envelope;
+use turnstile_shared::execution::{ExecutionRecord, Scope, StepResult};
+use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::step_api::{
+    Caller, Report, ReportAck, StartStep, StepKind, StepReport, StepWorkItem,
+};
+use turnstile_shared::subjects::{self, api as subj};
+use turnstile_shared::topology::{self, TopologyConfig};
+
+use crate::inproc::{create_sessions, start_broker, start_lane, start_transport};
+
+const CALL: Duration = Duration::from_secs(10);
+const WARMUP: usize = 20;
+
+pub async fn measure(nats: &turnstile_tests::NatsServer, n: usize) -> Result<serde_json::Value> {
+    let url = nats.url();
+    let client = nats.client().await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let dir = tempfile::tempdir()?;
+    let lane = start_lane(&url);
+    let broker = start_broker(&url);
+    let transport = start_transport(&url, dir.path())?;
+    let session = create_sessions(&client, 1).await?.remove(0);
+    let kv = js.get_key_value(subjects::SESSIONS_BUCKET).await?;
+    let record: SessionRecord =
+        serde_json::from_slice(&kv.get(session.as_str()).await?.context("session")?)?;
+    let caller = Caller {
+        session: Some(session.clone()),
+        step: None,
+        token: record.token.clone(),
+    };
+
+    // One turn holds the lane while the steps are started (run scope: they outlive it).
+    let holder: TurnRecord = api::call(
+        &client,
+        subj::SESSION_SEND,
+        &SendTurn {
+            session: session.clone(),
+            text: "start the work\n!sleep 3s".into(),
+            turn: None,
+        },
+        CALL,
+    )
+    .await?;
+    let turns = js.get_key_value(subjects::TURNS_BUCKET).await?;
+    let mut watch = turns.watch_with_history(">").await?;
+    wait_turn(&mut watch, |r| {
+        r.id == holder.id && matches!(r.state, TurnState::Running { .. })
+    })
+    .await?;
+    let total = n + WARMUP;
+    for i in 0..total {
+        let req = StartStep {
+            caller: caller.clone(),
+            name: format!("bench-{i}"),
+            scope: Scope::Run,
+            work: StepKind::External {
+                queue: "bench".into(),
+                input: serde_json::Value::Null,
+            },
+            id: None,
+        };
+        let _: ExecutionRecord = api::call(&client, subj::STEPS_START, &req, CALL).await?;
+    }
+    // Take the work as an external worker would.
+    let consumer =
+        topology::ensure_step_external_consumer(&js, &TopologyConfig::default(), "bench").await?;
+    let mut work = Vec::with_capacity(total);
+    let mut messages = consumer.messages().await?;
+    while work.len() < total {
+        let msg = tokio::time::timeout(CALL, messages.next())
+            .await
+            .context("step work did not arrive")?
+            .context("work stream ended")??;
+        let item: StepWorkItem = Envelope::decode(&msg.payload)?.data_as()?;
+        report(
+            &client,
+            &item,
+            Report::Started {
+                worker: "bench".into(),
+            },
+        )
+        .await?;
+        msg.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        work.push(item);
+    }
+    wait_turn(&mut watch, |r| r.id == holder.id && r.state.is_terminal())
+        .await
+        .context("the holding turn to end")?;
+    wait_idle(&client, &session).await?;
+
+    let mut samples = Vec::with_capacity(n);
+    for (i, item) in work.iter().enumerate() {
+        let t0 = Utc::now();
+        let result = StepResult {
+            exit_code: Some(0),
+            summary: "done".into(),
+            output: vec![],
+        };
+        report(&client, item, Report::Completed { result }).await?;
+        let step = item.step.to_string();
+        let delivery = wait_turn(&mut watch, |r| {
+            r.delivery
+                .as_ref()
+                .is_some_and(|d| d.completions.iter().any(|c| c.execution.as_str() == step))
+                && !matches!(r.state, TurnState::Queued)
+        })
+        .await
+        .with_context(|| format!("the delivery of {step}"))?;
+        let typed = match &delivery.state {
+            TurnState::Running { typed_at, .. } | TurnState::Completed { typed_at, .. } => {
+                *typed_at
+            }
+            other => bail!("delivery turn {}: {other:?}", delivery.id),
+        };
+        if i >= WARMUP {
+            samples.push((typed - t0).num_microseconds().unwrap_or_default() as f64);
+        }
+        wait_turn(&mut watch, |r| r.id == delivery.id && r.state.is_terminal())
+            .await
+            .context("the delivery turn to end")?;
+        wait_idle(&client, &session).await?;
+    }
+    transport.stop().await;
+    broker.stop().await;
+    lane.stop().await;
+    Ok(crate::summary(samples))
+}
+
+async fn report(client: &async_nats::Client, item: &StepWorkItem, report: Report) -> Result<()> {
+    let req = StepReport {
+        step: item.step.clone(),
+        token: item.token.clone(),
+        report,
+    };
+    let _: ReportAck = api::call(client, subj::STEPS_REPORT, &req, CALL).await?;
+    Ok(())
+}
+
+async fn wait_turn(
+    watch: &mut async_nats::jetstream::kv::Watch,
+    pred: impl Fn(&TurnRecord) -> bool,
+) -> Result<TurnRecord> {
+    loop {
+        let entry = tokio::time::timeout(CALL, watch.next())
+            .await
+            .context("no turn change within 10 s")?
+            .context("turn watch ended")??;
+        if let Ok(r) = serde_json::from_slice::<TurnRecord>(&entry.value) {
+            if pred(&r) {
+                return Ok(r);
+            }
+        }
+    }
+}
+
+/// Until the lane has nothing in flight (so the next step ends on an idle lane, R1).
+async fn wait_idle(
+    client: &async_nats::Client,
+    session: &turnstile_shared::SessionId,
+) -> Result<()> {
+    for _ in 0..1000 {
+        let v: SessionView = api::call(
+            client,
+            subj::SESSION_SHOW,
+            &SessionRef {
+                session: session.clone(),
+            },
+            CALL,
+        )
+        .await?;
+        if !v.busy && v.queued == 0 {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    bail!("the lane did not go idle")
+}

@@ -1,0 +1,101 @@
+//! The services of a deployment run inside the benchmark process (the `turnstile dev` way),
+//! against the benchmark's own nats-server, so only real hand-offs are timed.
+
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::api::{self, CreateSession};
+use turnstile_shared::records::{AgentKind, SessionRecord};
+use turnstile_shared::subjects::api as subj;
+use turnstile_shared::SessionId;
+
+/// A service running in this process until its token is cancelled.
+pub struct Running {
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    pub async fn stop(self) {
+        self.cancel.cancel();
+        let _ = self.task.await;
+    }
+}
+
+pub fn start_lane(url: &str) -> Running {
+    let cancel = CancellationToken::new();
+    let config = turnstile_session_lane::Config::new(url);
+    let task = tokio::spawn({
+        let cancel = cancel.clone();
+        async move {
+            if let Err(e) = turnstile_session_lane::run(config, cancel).await {
+                eprintln!("session-lane: {e}");
+            }
+        }
+    });
+    Running { cancel, task }
+}
+
+pub fn start_transport(url: &str, dir: &std::path::Path) -> Result<Running> {
+    let cancel = CancellationToken::new();
+    let config = turnstile_transport_agent::Config::new(url, "bench".parse()?, dir.to_path_buf());
+    let task = tokio::spawn({
+        let cancel = cancel.clone();
+        async move {
+            if let Err(e) = turnstile_transport_agent::run(config, cancel).await {
+                eprintln!("transport: {e}");
+            }
+        }
+    });
+    Ok(Running { cancel, task })
+}
+
+pub fn start_broker(url: &str) -> Running {
+    let cancel = CancellationToken::new();
+    let config = turnstile_notification_broker::Config::new(url);
+    let task = tokio::spawn({
+        let cancel = cancel.clone();
+        async move {
+            if let Err(e) = turnstile_notification_broker::run(config, cancel).await {
+                eprintln!("broker: {e}");
+            }
+        }
+    });
+    Running { cancel, task }
+}
+
+pub async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Vec<SessionId>> {
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let req = CreateSession {
+            agent: AgentKind::Instant,
+            name: format!("bench-{i}"),
+            host: None,
+            cwd: None,
+        };
+        let mut tries = 0;
+        let rec = loop {
+            match api::call::<_, SessionRecord>(
+                client,
+                subj::SESSION_CREATE,
+                &req,
+                Duration::from_secs(10),
+            )
+            .await
+            {
+                Ok(r) => break r,
+                Err(e)
+                    if ["no_host", "unavailable", "timeout"].contains(&e.code.as_str())
+                        && tries < 100 =>
+                {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => bail!("create session: {e}"),
+            }
+        };
+        out.push(rec.id);
+    }
+    Ok(out)
+}
