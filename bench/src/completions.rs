@@ -1,7 +1,8 @@
-//! Completion-to-agent latency with an idle lane: a worker reports a step's end; measured to
-//! the moment the transport records the delivery turn that carries it as typed (`typed_at`).
-//! Path: report API, the broker's ended queue, the registry write, the completion and the
-//! delivery item, the lane taking it, collecting the completion, dispatch, the transport.
+//! Completion-to-agent latency with an idle lane: from a worker reporting a step's end to the
+//! lane dispatching the delivery turn that carries it to the transport (when its
+//! `turn.started` event, sent with the transport command, reaches the benchmark). Path: report API, the broker's ended
+//! queue, the registry write, the completion and the delivery item, the lane taking it,
+//! collecting and checking the completion, recording what it carries, dispatch.
 
 use std::time::Duration;
 
@@ -100,7 +101,11 @@ pub async fn measure(nats: &turnstile_tests::NatsServer, n: usize) -> Result<ser
         .context("the holding turn to end")?;
     wait_idle(&client, &session).await?;
 
+    let mut started = client.subscribe(subjects::session_events(&session)).await?;
     let mut samples = Vec::with_capacity(n);
+    // Where the time goes (from event times, millisecond precision): report to recorded end,
+    // end to delivery item, item to dispatch.
+    let (mut ended_us, mut routed_us, mut lane_us) = (Vec::new(), Vec::new(), Vec::new());
     for (i, item) in work.iter().enumerate() {
         let t0 = Utc::now();
         let result = StepResult {
@@ -118,24 +123,49 @@ pub async fn measure(nats: &turnstile_tests::NatsServer, n: usize) -> Result<ser
         })
         .await
         .with_context(|| format!("the delivery of {step}"))?;
-        let typed = match &delivery.state {
-            TurnState::Running { typed_at, .. } | TurnState::Completed { typed_at, .. } => {
-                *typed_at
+        let (mut recorded, mut queued) = (None, None);
+        let dispatched = loop {
+            let msg = tokio::time::timeout(CALL, started.next())
+                .await
+                .context("no turn.started for the delivery")?
+                .context("event subscription ended")?;
+            let env = Envelope::decode(&msg.payload)?;
+            match env.kind.as_str() {
+                "step.completed" if env.data["execution"].as_str() == Some(step.as_str()) => {
+                    recorded = Some(env.at)
+                }
+                "delivery.queued" if env.at >= t0 => queued = Some(env.at),
+                // Received time: envelope times have millisecond precision.
+                "turn.started" if env.turn.as_ref() == Some(&delivery.id) => break Utc::now(),
+                _ => {}
             }
-            other => bail!("delivery turn {}: {other:?}", delivery.id),
         };
         if i >= WARMUP {
-            samples.push((typed - t0).num_microseconds().unwrap_or_default() as f64);
+            let us = |d: chrono::TimeDelta| d.num_microseconds().unwrap_or_default() as f64;
+            samples.push(us(dispatched - t0));
+            if let (Some(r), Some(q)) = (recorded, queued) {
+                ended_us.push(us(r - t0));
+                routed_us.push(us(q - r));
+                lane_us.push(us(dispatched - q));
+            }
         }
-        wait_turn(&mut watch, |r| r.id == delivery.id && r.state.is_terminal())
-            .await
-            .context("the delivery turn to end")?;
+        if !delivery.state.is_terminal() {
+            wait_turn(&mut watch, |r| r.id == delivery.id && r.state.is_terminal())
+                .await
+                .context("the delivery turn to end")?;
+        }
         wait_idle(&client, &session).await?;
     }
     transport.stop().await;
     broker.stop().await;
     lane.stop().await;
-    Ok(crate::summary(samples))
+    let mut out = crate::summary(samples);
+    out["stages_p50_us"] = serde_json::json!({
+        "report_to_recorded_end": crate::summary(ended_us)["p50_us"],
+        "recorded_end_to_delivery_item": crate::summary(routed_us)["p50_us"],
+        "delivery_item_to_dispatch": crate::summary(lane_us)["p50_us"],
+    });
+    Ok(out)
 }
 
 async fn report(client: &async_nats::Client, item: &StepWorkItem, report: Report) -> Result<()> {

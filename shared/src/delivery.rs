@@ -85,6 +85,9 @@ pub struct DeliveryMarker {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeliveryItem {
     pub delivery: DeliveryId,
+    /// The revision of the marker that armed it, so the lane clears it in one round trip.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub marker_rev: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,7 +109,7 @@ pub enum ArmError {
 /// be in flight); an older one is checked against the lane itself.
 const MARKER_TRUST: Duration = Duration::from_secs(5);
 
-/// Makes sure one `delivery` item waits on the session's lane (R3): creates the marker and
+/// Makes sure one `delivery` item waits on the session's lane (R3): claims the marker and
 /// publishes the item, or finds the one already armed. Returns the delivery it armed, if new.
 /// Safe to repeat and to race: a marker exists at most once per session, and a marker whose
 /// item was lost (a crash between the two writes) is re-published under the same id.
@@ -115,32 +118,55 @@ pub async fn arm(
     deliveries: &Bucket,
     session: &SessionId,
 ) -> Result<Option<DeliveryId>, ArmError> {
+    match claim(js, deliveries, session).await? {
+        Some((marker, rev)) => {
+            publish_item(js, session, &marker, rev).await?;
+            Ok(Some(marker.delivery))
+        }
+        None => Ok(None),
+    }
+}
+
+/// The first half of [`arm`]: the marker this caller must publish an item for, if any. Tries
+/// the create first (one round trip when nothing is armed, the common case).
+pub async fn claim(
+    js: &jetstream::Context,
+    deliveries: &Bucket,
+    session: &SessionId,
+) -> Result<Option<(DeliveryMarker, u64)>, ArmError> {
     let key = session.as_str();
-    let marker = match deliveries.get::<DeliveryMarker>(key).await? {
-        Some((m, _)) => {
-            let age = (Utc::now() - m.armed_at).to_std().unwrap_or_default();
-            if age < MARKER_TRUST || on_lane(js, session, &m.delivery).await? {
-                return Ok(None);
-            }
-            m
-        }
-        None => {
-            let fresh = DeliveryMarker {
-                delivery: DeliveryId::new(),
-                armed_at: Utc::now(),
-            };
-            if deliveries.create(key, &fresh).await?.is_none() {
-                return Ok(None);
-            }
-            fresh
-        }
+    let fresh = DeliveryMarker {
+        delivery: DeliveryId::new(),
+        armed_at: Utc::now(),
     };
+    if let Some(rev) = deliveries.create(key, &fresh).await? {
+        return Ok(Some((fresh, rev)));
+    }
+    let Some((m, rev)) = deliveries.get::<DeliveryMarker>(key).await? else {
+        // Taken by the lane between the two calls: a later completion arms again.
+        return Ok(None);
+    };
+    let age = (Utc::now() - m.armed_at).to_std().unwrap_or_default();
+    if age < MARKER_TRUST || on_lane(js, session, &m.delivery).await? {
+        return Ok(None);
+    }
+    Ok(Some((m, rev)))
+}
+
+/// The second half of [`arm`]: the lane item, de-duplicated by the delivery id.
+pub async fn publish_item(
+    js: &jetstream::Context,
+    session: &SessionId,
+    marker: &DeliveryMarker,
+    rev: u64,
+) -> Result<(), ArmError> {
     let item = LaneItem::Delivery(DeliveryItem {
         delivery: marker.delivery.clone(),
+        marker_rev: Some(rev),
     });
     let env = item.to_envelope(session)?;
     events::publish_durable(js, subjects::lane(session), &env, None).await?;
-    Ok(Some(marker.delivery))
+    Ok(())
 }
 
 /// Whether the delivery item is still on the session's lane (queued or in flight).
@@ -185,9 +211,15 @@ async fn on_lane(
 pub async fn disarm(
     deliveries: &Bucket,
     session: &SessionId,
-    delivery: &DeliveryId,
+    item: &DeliveryItem,
 ) -> Result<(), KvError> {
     let key = session.as_str();
+    if let Some(rev) = item.marker_rev {
+        if deliveries.delete_at(key, rev).await? {
+            return Ok(());
+        }
+    }
+    let delivery = &item.delivery;
     if let Some((m, rev)) = deliveries.get::<DeliveryMarker>(key).await? {
         if m.delivery == *delivery {
             deliveries.delete_at(key, rev).await?;

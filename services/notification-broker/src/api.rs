@@ -247,6 +247,20 @@ async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiErro
 
 /// `step.<status>` on the session the step belongs to, de-duplicated per (step, status).
 pub(crate) async fn step_event(ctx: &Ctx, record: &ExecutionRecord, k: &str) {
+    match step_envelope(record, k) {
+        Ok(ev) => {
+            if let Err(e) = events::publish(&ctx.js, &ev).await {
+                tracing::warn!(execution = %record.id, error = %e, "step event");
+            }
+        }
+        Err(e) => tracing::warn!(execution = %record.id, error = %e, "build step event"),
+    }
+}
+
+pub(crate) fn step_envelope(
+    record: &ExecutionRecord,
+    k: &str,
+) -> Result<turnstile_shared::Envelope, turnstile_shared::EnvelopeError> {
     let data = json!({
         "execution": record.id,
         "name": record.name,
@@ -256,16 +270,7 @@ pub(crate) async fn step_event(ctx: &Ctx, record: &ExecutionRecord, k: &str) {
         "watchers": record.watchers,
         "status": record.status,
     });
-    let ev = session_event(k, &record.session, None, &data)
-        .map(|e| e.with_id(format!("{}:{k}", record.id)));
-    match ev {
-        Ok(ev) => {
-            if let Err(e) = events::publish(&ctx.js, &ev).await {
-                tracing::warn!(execution = %record.id, error = %e, "step event");
-            }
-        }
-        Err(e) => tracing::warn!(execution = %record.id, error = %e, "build step event"),
-    }
+    session_event(k, &record.session, None, &data).map(|e| e.with_id(format!("{}:{k}", record.id)))
 }
 
 async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {

@@ -20,7 +20,7 @@ use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::{step_kind, Ended};
 use turnstile_shared::{subjects, topology};
 
-use crate::api::step_event;
+use crate::api::step_envelope;
 use crate::registry::{self, Reach};
 use crate::Ctx;
 
@@ -139,11 +139,22 @@ async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
         }
         registry::cancel_under(ctx, &record, Reach::Owned, exec_reason::PARENT_CANCELLED).await?;
     }
-    step_event(ctx, &record, k).await;
+    // Events go out now and are confirmed before the end is acked, off the hand-off path.
+    let mut acks = vec![send(ctx, &step_envelope(&record, k)?).await?];
     if delivery::routes_completions(&record) {
-        route(ctx, &record).await?;
+        route(ctx, &record, &mut acks).await?;
+    }
+    for ack in acks {
+        ack.await?;
     }
     Ok(())
+}
+
+type Ack =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), events::PublishError>> + Send>>;
+
+async fn send(ctx: &Ctx, env: &Envelope) -> Result<Ack, EndError> {
+    Ok(Box::pin(events::send(&ctx.js, env).await?))
 }
 
 /// Keeps the start time the record knew (the end message may have been built without it).
@@ -163,38 +174,64 @@ fn with_start(status: &ExecStatus, known: Option<chrono::DateTime<chrono::Utc>>)
 }
 
 /// One completion per target session (owner, then watchers; R8), then a delivery armed for
-/// each. Both are idempotent, so a redelivered end repeats them harmlessly.
-async fn route(ctx: &Ctx, record: &ExecutionRecord) -> Result<(), EndError> {
+/// each. Both are idempotent, so a redelivered end repeats them harmlessly. The completion is
+/// stored and the marker claimed at once; the lane item goes out only after both, so a
+/// delivery never looks for a completion that is not there yet.
+async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Result<(), EndError> {
     let completion = Completion::of(record);
     for target in record.targets() {
-        let active = ctx
-            .buckets
-            .sessions
-            .get::<SessionRecord>(target.as_str())
-            .await?
-            .is_some_and(|(s, _)| s.is_active());
+        let env = completion.envelope(&target)?;
+        let fresh = delivery::DeliveryMarker {
+            delivery: turnstile_shared::DeliveryId::new(),
+            armed_at: chrono::Utc::now(),
+        };
+        let (active, stored, created) = tokio::join!(
+            ctx.buckets.sessions.get::<SessionRecord>(target.as_str()),
+            events::publish_durable(
+                &ctx.js,
+                subjects::completion(&target, &record.id),
+                &env,
+                None
+            ),
+            ctx.buckets.deliveries.create(target.as_str(), &fresh),
+        );
+        stored?;
+        let active = active?.is_some_and(|(s, _)| s.is_active());
+        let claimed = match created? {
+            Some(rev) => Some((fresh, rev)),
+            // A delivery was armed already: decided again now that the completion is stored,
+            // so one taken by the lane meanwhile cannot have missed it.
+            None => delivery::claim(&ctx.js, &ctx.buckets.deliveries, &target).await?,
+        };
         if !active {
-            tracing::info!(execution = %record.id, session = %target, "target session stopped; completion not routed");
+            // Kept on TS_COMPLETION for operators; nothing will hand it over.
+            if let Some((m, rev)) = claimed {
+                ctx.buckets
+                    .deliveries
+                    .delete_at(target.as_str(), rev)
+                    .await?;
+                tracing::info!(execution = %record.id, session = %target, delivery = %m.delivery, "target session stopped; completion kept, not delivered");
+            }
             continue;
         }
-        let env = completion.envelope(&target)?;
-        events::publish_durable(
-            &ctx.js,
-            subjects::completion(&target, &record.id),
-            &env,
-            None,
-        )
-        .await?;
+        if let Some((marker, rev)) = &claimed {
+            delivery::publish_item(&ctx.js, &target, marker, *rev).await?;
+        }
+        let role = if record.owner.as_ref() == Some(&target) {
+            "owner"
+        } else {
+            "watcher"
+        };
         let ev = session_event(
             kind::COMPLETION_ROUTED,
             &target,
             None,
-            &json!({ "execution": record.id, "name": record.name, "status": record.status.name(),
-                     "role": if record.owner.as_ref() == Some(&target) { "owner" } else { "watcher" } }),
+            &json!({ "execution": record.id, "name": record.name, "status": record.status.name(), "role": role }),
         )?
         .with_id(format!("{}:{target}:routed", record.id));
-        events::publish(&ctx.js, &ev).await?;
-        if let Some(d) = delivery::arm(&ctx.js, &ctx.buckets.deliveries, &target).await? {
+        acks.push(send(ctx, &ev).await?);
+        if let Some((marker, _)) = claimed {
+            let d = marker.delivery;
             let ev = session_event(
                 kind::DELIVERY_QUEUED,
                 &target,
@@ -202,7 +239,7 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord) -> Result<(), EndError> {
                 &json!({ "delivery": d }),
             )?
             .with_id(format!("{d}:queued"));
-            events::publish(&ctx.js, &ev).await?;
+            acks.push(send(ctx, &ev).await?);
         }
     }
     Ok(())

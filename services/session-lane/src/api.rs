@@ -259,6 +259,7 @@ async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord, ApiError>
     .await
     .map_err(internal)?;
     drain_lane(&ctx, &record.id).await?;
+    ctx.forget_completion_consumer(&record.id);
     let ev =
         session_event(kind::SESSION_STOPPED, &record.id, None, &json!({})).map_err(internal)?;
     events::publish(&ctx.js, &ev).await.map_err(internal)?;

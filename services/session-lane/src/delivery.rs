@@ -47,16 +47,20 @@ pub(crate) async fn run_delivery(
     let waiter = ctx.turns.wait(&turn_id);
     let retry = |e: DeliveryError| retry_later(&msg, session, &item, e);
     // A redelivered item finds the turn its earlier attempt recorded and finishes that one.
-    let existing = match ctx.buckets.turns.get::<TurnRecord>(turn_id.as_str()).await {
-        Ok(r) => r.map(|(r, _)| r),
-        Err(e) => return retry(e.into()).await,
+    // A first delivery cannot have one: only this handler creates it (hot path: no read).
+    let first_delivery = msg.info().map(|i| i.delivered <= 1).unwrap_or(false);
+    let existing = if first_delivery {
+        None
+    } else {
+        match ctx.buckets.turns.get::<TurnRecord>(turn_id.as_str()).await {
+            Ok(r) => r.map(|(r, _)| r),
+            Err(e) => return retry(e.into()).await,
+        }
     };
     let (record, held) = match existing {
         Some(record) => (record, Vec::new()),
         None => {
-            if let Err(e) =
-                delivery::disarm(&ctx.buckets.deliveries, &session.id, &item.delivery).await
-            {
+            if let Err(e) = delivery::disarm(&ctx.buckets.deliveries, &session.id, &item).await {
                 return retry(e.into()).await;
             }
             let (carried, held, more) = match collect(ctx, session).await {
@@ -141,8 +145,7 @@ async fn collect(
     ctx: &Ctx,
     session: &SessionRecord,
 ) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>, bool), DeliveryError> {
-    let consumer =
-        topology::ensure_completion_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    let consumer = ctx.completion_consumer(&session.id).await?;
     let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
         session: session.id.clone(),
         source: e,
@@ -153,14 +156,19 @@ async fn collect(
         .messages()
         .await
         .map_err(|e| fetch_err(e.into()))?;
+    let mut fetched_msgs = Vec::new();
+    while let Some(m) = batch.next().await {
+        fetched_msgs.push(m.map_err(&fetch_err)?);
+    }
+    let fetched = fetched_msgs.len();
+    // Checked concurrently: one registry read each (R8).
+    let checks =
+        futures::future::join_all(fetched_msgs.iter().map(|m| check(ctx, &session.id, m))).await;
     let mut carried = Vec::new();
     let mut held = Vec::new();
-    let mut fetched = 0;
-    while let Some(m) = batch.next().await {
-        let m = m.map_err(&fetch_err)?;
-        fetched += 1;
+    for (m, checked) in fetched_msgs.into_iter().zip(checks) {
         let seq = m.info().map(|i| i.stream_sequence).unwrap_or_default();
-        match check(ctx, &session.id, &m).await {
+        match checked {
             Ok(c) => {
                 carried.push((c, seq));
                 held.push(m);

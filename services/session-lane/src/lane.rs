@@ -60,7 +60,7 @@ async fn serve(
 ) -> Result<(), LaneError> {
     let name = subjects::lane_consumer(&session.id);
     let consumer = topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
-    topology::ensure_completion_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    ctx.completion_consumer(&session.id).await?;
     let expiry = ctx.topology.lane_pull_expiry();
     let mut messages = consumer
         .stream()

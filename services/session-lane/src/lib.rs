@@ -54,6 +54,13 @@ pub(crate) struct Ctx {
     /// The process-wide shutdown, as distinct from one lane's cancellation.
     pub shutdown: CancellationToken,
     handback: std::sync::Mutex<Handback>,
+    /// Each session's completion consumer, bound once (deliveries are on the hot path).
+    completions: std::sync::Mutex<
+        std::collections::HashMap<
+            turnstile_shared::SessionId,
+            async_nats::jetstream::consumer::PullConsumer,
+        >,
+    >,
 }
 
 /// What a stopping replica gives back once its connection is closed.
@@ -66,6 +73,39 @@ struct Handback {
 }
 
 impl Ctx {
+    pub async fn completion_consumer(
+        &self,
+        session: &turnstile_shared::SessionId,
+    ) -> Result<
+        async_nats::jetstream::consumer::PullConsumer,
+        turnstile_shared::topology::TopologyError,
+    > {
+        if let Some(c) = self
+            .completions
+            .lock()
+            .ok()
+            .and_then(|m| m.get(session).cloned())
+        {
+            return Ok(c);
+        }
+        let c = turnstile_shared::topology::ensure_completion_consumer(
+            &self.js,
+            &self.topology,
+            session,
+        )
+        .await?;
+        if let Ok(mut m) = self.completions.lock() {
+            m.insert(session.clone(), c.clone());
+        }
+        Ok(c)
+    }
+
+    pub fn forget_completion_consumer(&self, session: &turnstile_shared::SessionId) {
+        if let Ok(mut m) = self.completions.lock() {
+            m.remove(session);
+        }
+    }
+
     pub fn hand_back_lane(&self, consumer: String) {
         if let Ok(mut h) = self.handback.lock() {
             h.lanes.push(consumer);
@@ -133,6 +173,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         turns,
         shutdown: shutdown.clone(),
         handback: Default::default(),
+        completions: Default::default(),
     });
     tracing::info!(replica = %ctx.replica, "session-lane running");
 
