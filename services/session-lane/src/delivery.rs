@@ -255,6 +255,9 @@ async fn settle(
         return;
     };
     let completed = matches!(record.state, TurnState::Completed { .. });
+    // A failed hand-over leaves its completions pending (R3); the session's next turn end
+    // arms a delivery for them again.
+    ctx.mark_left_pending(&session.id, !completed);
     if completed {
         if held.is_empty() {
             remove_by_seq(ctx, carried).await;
@@ -328,8 +331,9 @@ async fn arm_with(js: &jetstream::Context, deliveries: &Bucket, session: &Sessio
     }
 }
 
-/// After a turn ends, completions left pending (a failed delivery, or ones that arrived
-/// without a delivery) get one armed. Off the hand-off path: spawned.
+/// Arms a delivery if completions wait without one: after a turn ends on a lane whose last
+/// delivery failed, and once when a lane worker starts (a failure seen by another replica).
+/// Off the hand-off path: spawned.
 pub(crate) fn rearm_if_pending(ctx: &Ctx, session: &SessionId) {
     let js = ctx.js.clone();
     let deliveries = ctx.buckets.deliveries.clone();

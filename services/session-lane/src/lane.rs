@@ -61,6 +61,7 @@ async fn serve(
     let name = subjects::lane_consumer(&session.id);
     let consumer = topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
     ctx.completion_consumer(&session.id).await?;
+    crate::delivery::rearm_if_pending(ctx, &session.id);
     let expiry = ctx.topology.lane_pull_expiry();
     let mut messages = consumer
         .stream()
@@ -224,7 +225,9 @@ async fn run_turn(
     match wait_terminal(ctx, &msg, &item.turn, waiter, cancel, &[]).await {
         Some(record) => {
             finish(ctx, session, &msg, &record).await;
-            crate::delivery::rearm_if_pending(ctx, &session.id);
+            if ctx.left_pending(&session.id) {
+                crate::delivery::rearm_if_pending(ctx, &session.id);
+            }
         }
         // Cancelled: hand the item back so the replica that takes the lane continues it.
         None => release(ctx, &msg).await,

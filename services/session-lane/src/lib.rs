@@ -54,6 +54,8 @@ pub(crate) struct Ctx {
     /// The process-wide shutdown, as distinct from one lane's cancellation.
     pub shutdown: CancellationToken,
     handback: std::sync::Mutex<Handback>,
+    /// Sessions whose last delivery failed: their next turn end re-arms a delivery.
+    left_pending: std::sync::Mutex<std::collections::HashSet<turnstile_shared::SessionId>>,
     /// Each session's completion consumer, bound once (deliveries are on the hot path).
     completions: std::sync::Mutex<
         std::collections::HashMap<
@@ -98,6 +100,24 @@ impl Ctx {
             m.insert(session.clone(), c.clone());
         }
         Ok(c)
+    }
+
+    /// Records whether the session's last delivery failed (its completions wait unarmed).
+    pub fn mark_left_pending(&self, session: &turnstile_shared::SessionId, pending: bool) {
+        if let Ok(mut s) = self.left_pending.lock() {
+            if pending {
+                s.insert(session.clone());
+            } else {
+                s.remove(session);
+            }
+        }
+    }
+
+    pub fn left_pending(&self, session: &turnstile_shared::SessionId) -> bool {
+        self.left_pending
+            .lock()
+            .map(|mut s| s.remove(session))
+            .unwrap_or(false)
     }
 
     pub fn forget_completion_consumer(&self, session: &turnstile_shared::SessionId) {
@@ -174,6 +194,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         shutdown: shutdown.clone(),
         handback: Default::default(),
         completions: Default::default(),
+        left_pending: Default::default(),
     });
     tracing::info!(replica = %ctx.replica, "session-lane running");
 

@@ -377,9 +377,14 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
         None,
     )
     .await?;
-    // B's next turn ends with a completion pending: a delivery runs and refuses it.
-    let tb = stack.send(&b, "hello").await?;
-    stack.all_complete(&[tb]).await?;
+    // B's own step completes: its delivery takes both, refuses the forged one, hands over
+    // only B's.
+    let tb = stack.send(&b, "!step legit 200ms\n!sleep 1s").await?;
+    stack.all_complete(&[tb.clone()]).await?;
+    let legit = stack.tree(&ExecutionId::from(&tb)).await?.nodes[0]
+        .record
+        .id
+        .clone();
     let rejected = stack
         .wait_events("completion.rejected", Duration::from_secs(20), |ev| {
             ev.iter()
@@ -409,12 +414,15 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
         auth.iter().all(|e| !e.data.to_string().contains("tok_")),
         "no token is recorded"
     );
-    // Nothing reached B's agent but its own message; A got its own result.
-    let tb_transcript = stack.transcript(&b).await?;
+    // B's agent got its own message and its own result only; A got its own result.
+    let db = wait_deliveries(stack, &b, 1, Duration::from_secs(20)).await?;
     ensure!(
-        tb_transcript == vec!["hello".to_string()],
-        "{tb_transcript:?}"
+        listed_steps(&db[0].text) == vec![legit.to_string()],
+        "{}",
+        db[0].text
     );
+    let tb_transcript = stack.transcript(&b).await?;
+    ensure!(tb_transcript.len() == 2, "{tb_transcript:?}");
     let da = wait_deliveries(stack, &a, 1, Duration::from_secs(20)).await?;
     ensure!(listed_steps(&da[0].text) == vec![mine.id.to_string()]);
     Ok(())
