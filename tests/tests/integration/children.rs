@@ -380,7 +380,7 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
     // B's own step completes: its delivery takes both, refuses the forged one, hands over
     // only B's.
     let tb = stack.send(&b, "!step legit 200ms\n!sleep 1s").await?;
-    stack.all_complete(&[tb.clone()]).await?;
+    stack.all_complete(std::slice::from_ref(&tb)).await?;
     let legit = stack.tree(&ExecutionId::from(&tb)).await?.nodes[0]
         .record
         .id
