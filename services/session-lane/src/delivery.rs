@@ -60,18 +60,15 @@ pub(crate) async fn run_delivery(
     let (record, held) = match existing {
         Some(record) => (record, Vec::new()),
         None => {
-            if let Err(e) = delivery::disarm(&ctx.buckets.deliveries, &session.id, &item).await {
-                return retry(e.into()).await;
-            }
-            let (carried, held, more) = match collect(ctx, session).await {
+            let (carried, held) = match collect(ctx, session).await {
                 Ok(c) => c,
                 Err(e) => return retry(e).await,
             };
-            if more {
-                arm(ctx, &session.id).await;
-            }
             if carried.is_empty() {
                 // Nothing (left) to hand over: an earlier delivery took it all.
+                if let Err(e) = disarm_and_recheck(ctx, &session.id, &item).await {
+                    return retry(e).await;
+                }
                 let _ = msg.double_ack().await;
                 return;
             }
@@ -113,6 +110,10 @@ pub(crate) async fn run_delivery(
             }
             return retry(DeliveryError::Nats(e)).await;
         }
+        // Off the hand-off path, while the turn runs.
+        if let Err(e) = disarm_and_recheck(ctx, &session.id, &item).await {
+            tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "clear delivery marker; a stale marker is re-armed by the next completion");
+        }
         match wait_terminal(ctx, &msg, &turn_id, waiter, cancel, &held).await {
             Some(r) => r,
             None => {
@@ -139,12 +140,38 @@ async fn retry_later(
         .await;
 }
 
+/// Clears the session's marker, then arms the next delivery if completions are pending that
+/// this one did not take (beyond the cap, or stored between its fetch and the clearing: their
+/// routers saw the marker and left them to this delivery). Any completion stored after the
+/// clearing arms a delivery itself.
+async fn disarm_and_recheck(
+    ctx: &Ctx,
+    session: &SessionId,
+    item: &DeliveryItem,
+) -> Result<(), DeliveryError> {
+    delivery::disarm(&ctx.buckets.deliveries, session, item).await?;
+    let consumer = ctx.completion_consumer(session).await?;
+    let pending = consumer
+        .clone()
+        .info()
+        .await
+        .map_err(|e| DeliveryError::Fetch {
+            session: session.clone(),
+            source: e.into(),
+        })?
+        .num_pending;
+    if pending > 0 {
+        arm(ctx, session).await;
+    }
+    Ok(())
+}
+
 /// Pulls up to the cap of pending completions; refuses those not addressed to a session that
-/// owns or watches them (R8). Returns what to carry, the messages held, and whether more wait.
+/// owns or watches them (R8). Returns what to carry and the messages held.
 async fn collect(
     ctx: &Ctx,
     session: &SessionRecord,
-) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>, bool), DeliveryError> {
+) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DeliveryError> {
     let consumer = ctx.completion_consumer(&session.id).await?;
     let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
         session: session.id.clone(),
@@ -160,7 +187,6 @@ async fn collect(
     while let Some(m) = batch.next().await {
         fetched_msgs.push(m.map_err(&fetch_err)?);
     }
-    let fetched = fetched_msgs.len();
     // Checked concurrently: one registry read each (R8).
     let checks =
         futures::future::join_all(fetched_msgs.iter().map(|m| check(ctx, &session.id, m))).await;
@@ -180,7 +206,7 @@ async fn collect(
             Err(Refusal::Reject(reason)) => reject(ctx, &session.id, &m, &reason).await,
         }
     }
-    Ok((carried, held, fetched >= DELIVERY_CAP))
+    Ok((carried, held))
 }
 
 enum Refusal {
