@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod config;
+pub mod consume;
 pub mod deadletter;
 pub mod delivery;
 pub mod envelope;

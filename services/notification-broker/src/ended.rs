@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
-use futures::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::delivery::{self, Completion};
@@ -18,45 +17,23 @@ use turnstile_shared::execution::{exec_reason, ExecStatus, ExecutionRecord};
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::{step_kind, Ended};
-use turnstile_shared::{subjects, topology};
+use turnstile_shared::{consume, subjects, topology};
 
 use crate::api::step_envelope;
 use crate::registry::{self, Reach};
 use crate::Ctx;
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
-    let mut delay = Duration::from_millis(100);
-    while !shutdown.is_cancelled() {
-        match consume(&ctx, &shutdown).await {
-            Ok(()) => break,
-            Err(e) => {
-                tracing::warn!(error = %e, "ended queue interrupted; resuming");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(delay) => {}
-                }
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
-        }
-    }
+    consume::until_shutdown("ended queue", &shutdown, || consume(&ctx, &shutdown)).await
 }
 
 async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
     let consumer = topology::ensure_ended_consumer(&ctx.js, &ctx.topology).await?;
-    let mut messages = consumer.messages().await?;
-    loop {
-        let msg = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return Ok(()),
-            m = messages.next() => match m {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => { tracing::debug!(error = %e, "ended pull"); continue; }
-                None => return Err("ended pull stream ended".into()),
-            },
-        };
+    consume::each_message(consumer, shutdown, |msg| {
         let ctx = ctx.clone();
-        tokio::spawn(async move { handle(&ctx, msg).await });
-    }
+        async move { handle(&ctx, msg).await }
+    })
+    .await
 }
 
 async fn handle(ctx: &Ctx, msg: jetstream::Message) {

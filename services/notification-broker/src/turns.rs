@@ -6,48 +6,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::execution::exec_reason;
 use turnstile_shared::records::TurnRecord;
-use turnstile_shared::topology;
+use turnstile_shared::{consume, topology};
 
 use crate::registry::{self, Reach};
 use crate::Ctx;
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
-    let mut delay = Duration::from_millis(100);
-    while !shutdown.is_cancelled() {
-        match consume(&ctx, &shutdown).await {
-            Ok(()) => break,
-            Err(e) => {
-                tracing::warn!(error = %e, "turn mirror interrupted; resuming");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(delay) => {}
-                }
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
-        }
-    }
+    consume::until_shutdown("turn mirror", &shutdown, || consume(&ctx, &shutdown)).await
 }
 
 async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
     let consumer = topology::ensure_turns_mirror_consumer(&ctx.js, &ctx.topology).await?;
-    let mut messages = consumer.messages().await?;
-    loop {
-        let msg = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return Ok(()),
-            m = messages.next() => match m {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => { tracing::debug!(error = %e, "turn mirror pull"); continue; }
-                None => return Err("turn mirror pull stream ended".into()),
-            },
-        };
+    consume::each_message(consumer, shutdown, |msg| {
         let ctx = ctx.clone();
-        tokio::spawn(async move { handle(&ctx, msg).await });
-    }
+        async move { handle(&ctx, msg).await }
+    })
+    .await
 }
 
 async fn handle(ctx: &Ctx, msg: jetstream::Message) {

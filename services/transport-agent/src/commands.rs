@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use chrono::Utc;
-use futures::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::envelope::Envelope;
@@ -17,26 +16,13 @@ use turnstile_shared::records::{
     reason, transport_kind, SessionRecord, StartCommand, StopCommand, TurnCommand, TurnRecord,
     TurnState,
 };
-use turnstile_shared::{deadletter, subjects, topology, SessionId, TurnId};
+use turnstile_shared::{consume, deadletter, subjects, topology, SessionId, TurnId};
 
 use crate::adapter::{Adapter, Adopted, SessionSpec, TurnEnd};
 use crate::{Ctx, Error};
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
-    let mut delay = Duration::from_millis(100);
-    while !shutdown.is_cancelled() {
-        match consume(&ctx, &shutdown).await {
-            Ok(()) => break,
-            Err(e) => {
-                tracing::warn!(host = %ctx.config.host, error = %e, "transport commands interrupted; resuming");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(delay) => {}
-                }
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
-        }
-    }
+    consume::until_shutdown("transport commands", &shutdown, || consume(&ctx, &shutdown)).await;
     Ok(())
 }
 
@@ -44,21 +30,7 @@ async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), asy
     let consumer =
         topology::ensure_transport_consumer(&ctx.js, &ctx.config.topology, &ctx.config.host)
             .await?;
-    let mut messages = consumer.messages().await?;
-    loop {
-        let next = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return Ok(()),
-            n = messages.next() => n,
-        };
-        match next {
-            Some(Ok(msg)) => {
-                tokio::spawn(handle(ctx.clone(), msg));
-            }
-            Some(Err(e)) => tracing::debug!(error = %e, "transport pull"),
-            None => return Err("transport pull stream ended".into()),
-        }
-    }
+    consume::each_message(consumer, shutdown, |msg| handle(ctx.clone(), msg)).await
 }
 
 async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message) {

@@ -3,6 +3,7 @@
 
 mod adapter;
 mod commands;
+mod credentials;
 mod heartbeat;
 mod mock;
 mod steps;
@@ -134,6 +135,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
             agent_bin: config.agent_bin.clone(),
             state_dir: config.mock_state_dir.clone(),
             default_cwd: config.data_dir.clone(),
+            data_dir: config.data_dir.clone(),
             nats_url: config.nats_url.clone(),
         }),
     );

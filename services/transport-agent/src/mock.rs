@@ -11,6 +11,7 @@ use turnstile_shared::records::reason;
 use turnstile_shared::ConversationId;
 
 use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
+use crate::credentials::SessionFiles;
 use crate::tmux::{PaneState, Tmux};
 
 const PROMPT: &str = "❯";
@@ -25,6 +26,8 @@ pub struct MockAdapter {
     pub agent_bin: PathBuf,
     pub state_dir: PathBuf,
     pub default_cwd: PathBuf,
+    /// Holds the sessions' credential files (`sessions/<id>.env`, `.mcp.json`).
+    pub data_dir: PathBuf,
     pub nats_url: String,
 }
 
@@ -65,16 +68,19 @@ impl MockAdapter {
         if self.tmux.has_session(name).await {
             let _ = self.tmux.kill_session(name).await;
         }
-        let argv = self.launch_argv(spec);
+        // Credentials reach the agent through private files, never the command line.
+        let files = SessionFiles::at(&self.data_dir, spec);
+        files
+            .write(spec, &self.nats_url, &self.agent_bin)
+            .map_err(|e| Unavailable {
+                detail: format!("write credentials for {name}: {e}"),
+                last_lines: Vec::new(),
+            })?;
+        let argv = files.wrap(self.launch_argv(spec));
         let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
         let cwd = spec.cwd.clone().unwrap_or_else(|| self.default_cwd.clone());
-        let env = [
-            ("TURNSTILE_SESSION", spec.id.as_str()),
-            ("TURNSTILE_TOKEN", spec.token.as_str()),
-            ("TURNSTILE_NATS_URL", self.nats_url.as_str()),
-        ];
         self.tmux
-            .new_session(name, &cwd, &env, &argv)
+            .new_session(name, &cwd, &[], &argv)
             .await
             .map_err(|e| Unavailable {
                 detail: format!("launch `{}`: {e}", argv.join(" ")),
@@ -299,6 +305,7 @@ impl Adapter for MockAdapter {
             if let Err(e) = self.tmux.kill_session(spec.id.as_str()).await {
                 tracing::debug!(session = %spec.id, error = %e, "kill terminal");
             }
+            SessionFiles::at(&self.data_dir, spec).remove();
         })
     }
 }

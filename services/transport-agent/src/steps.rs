@@ -16,7 +16,7 @@ use turnstile_shared::api::{self, ApiError};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::{exec_reason, StepResult, StepWork};
 use turnstile_shared::step_api::{step_kind, Report, ReportAck, StepReport, StepWorkItem};
-use turnstile_shared::{subjects, topology};
+use turnstile_shared::{consume, subjects, topology};
 
 use crate::commands::refuse;
 use crate::{Ctx, Error};
@@ -26,20 +26,7 @@ const TAIL_LINES: usize = 20;
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
-    let mut delay = Duration::from_millis(100);
-    while !shutdown.is_cancelled() {
-        match consume(&ctx, &shutdown).await {
-            Ok(()) => break,
-            Err(e) => {
-                tracing::warn!(host = %ctx.config.host, error = %e, "step work interrupted; resuming");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(delay) => {}
-                }
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
-        }
-    }
+    consume::until_shutdown("step work", &shutdown, || consume(&ctx, &shutdown)).await;
     Ok(())
 }
 
@@ -47,21 +34,10 @@ async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), asy
     let consumer =
         topology::ensure_step_command_consumer(&ctx.js, &ctx.config.topology, &ctx.config.host)
             .await?;
-    let mut messages = consumer.messages().await?;
-    loop {
-        let next = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return Ok(()),
-            n = messages.next() => n,
-        };
-        match next {
-            Some(Ok(msg)) => {
-                tokio::spawn(handle(ctx.clone(), msg, shutdown.clone()));
-            }
-            Some(Err(e)) => tracing::debug!(error = %e, "step pull"),
-            None => return Err("step pull stream ended".into()),
-        }
-    }
+    consume::each_message(consumer, shutdown, |msg| {
+        handle(ctx.clone(), msg, shutdown.clone())
+    })
+    .await
 }
 
 async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message, shutdown: CancellationToken) {

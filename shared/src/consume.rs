@@ -1,0 +1,63 @@
+//! The two loops every durable consumer of ours runs: keep consuming until shutdown, resuming
+//! after errors (NATS restarts, a deleted consumer) with a capped backoff; and hand each
+//! message to its own task, so one slow message never holds up the rest.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+/// Runs `attempt` until it returns `Ok` or `shutdown` fires; an error is logged (with `what`)
+/// and the attempt repeated after 100 ms, doubling to 2 s.
+pub async fn until_shutdown<F, Fut, E>(what: &str, shutdown: &CancellationToken, mut attempt: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: Display,
+{
+    let mut delay = Duration::from_millis(100);
+    while !shutdown.is_cancelled() {
+        match attempt().await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(what, error = %e, "interrupted; resuming");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// Pulls from `consumer` and spawns `handle` for each message until `shutdown`; an `Err` when
+/// the pull stream fails or ends (the caller resumes with [`until_shutdown`]).
+pub async fn each_message<H, Fut>(
+    consumer: PullConsumer,
+    shutdown: &CancellationToken,
+    handle: H,
+) -> Result<(), async_nats::Error>
+where
+    H: Fn(jetstream::Message) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut messages = consumer.messages().await?;
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            n = messages.next() => n,
+        };
+        match next {
+            Some(Ok(msg)) => {
+                tokio::spawn(handle(msg));
+            }
+            Some(Err(e)) => tracing::debug!(error = %e, "pull"),
+            None => return Err("pull stream ended".into()),
+        }
+    }
+}
