@@ -20,6 +20,8 @@ pub enum Line {
     Hang,
     /// `!step NAME DURATION [ok|fail] [--scope S] [--count N]`: start background command step(s).
     Step(StepSpec),
+    /// `!groups N DUR [--scope S]`: work through N groups, one step per turn.
+    Groups(crate::groups::Plan),
     /// A directive that could not be honoured; the text becomes a reply line.
     Note(String),
     /// Anything that is not a directive.
@@ -48,6 +50,10 @@ pub fn parse_line(line: &str) -> Line {
             Err(err) => Line::Note(format!("invalid directive: !exit {arg} ({err})")),
         },
         "hang" => Line::Hang,
+        "groups" => match crate::groups::Plan::parse(arg) {
+            Ok(plan) => Line::Groups(plan),
+            Err(err) => Line::Note(format!("invalid directive: !groups {arg} ({err})")),
+        },
         "step" => match StepSpec::parse(arg) {
             Ok(spec) => Line::Step(spec),
             Err(reason) => Line::Note(format!("invalid directive: !step {arg} ({reason})")),
@@ -74,7 +80,7 @@ pub enum StepScope {
 }
 
 impl StepScope {
-    fn parse(text: &str) -> Option<Self> {
+    pub(crate) fn parse(text: &str) -> Option<Self> {
         match text {
             "turn" => Some(Self::Turn),
             "run" => Some(Self::Run),
@@ -242,7 +248,7 @@ impl ReplyBuilder {
                     self.first_prose = Some(text.trim().to_string());
                 }
             }
-            Line::Sleep(_) | Line::Exit(_) | Line::Hang | Line::Step(_) => {}
+            Line::Sleep(_) | Line::Exit(_) | Line::Hang | Line::Step(_) | Line::Groups(_) => {}
         }
     }
 

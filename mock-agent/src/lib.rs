@@ -18,6 +18,7 @@
 
 mod directives;
 mod duration;
+mod groups;
 mod input;
 mod session;
 mod spinner;

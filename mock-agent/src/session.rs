@@ -60,6 +60,12 @@ impl<W: Write> Session<W> {
             spin(&mut self.out, Some(think))?;
         }
         let mut reply = ReplyBuilder::default();
+        // A hand-over of results moves a `!groups` plan on by one group.
+        if crate::groups::is_handover(message) {
+            for text in self.next_group() {
+                reply.note(text);
+            }
+        }
         for text in message.lines() {
             let line = parse_line(text);
             match &line {
@@ -68,6 +74,12 @@ impl<W: Write> Session<W> {
                 Line::Hang => {
                     // Only returns if the terminal goes away.
                     spin(&mut self.out, None)?;
+                }
+                Line::Groups(plan) => {
+                    let mut plan = plan.clone();
+                    for text in self.start_group(&mut plan) {
+                        reply.note(text);
+                    }
                 }
                 Line::Step(spec) => {
                     for text in step::start(spec) {
@@ -81,6 +93,27 @@ impl<W: Write> Session<W> {
         self.put(&render_reply(&reply.finish()))?;
         self.put(PROMPT)?;
         Ok(Outcome::Continue)
+    }
+
+    /// Starts the plan's next group (if any) and keeps the plan beside the transcript.
+    fn start_group(&mut self, plan: &mut crate::groups::Plan) -> Vec<String> {
+        let Some(spec) = plan.next_step() else {
+            return vec!["all groups started".to_string()];
+        };
+        let path = crate::groups::Plan::path(self.transcript.path());
+        let mut lines = step::start(&spec);
+        if let Err(e) = plan.save(&path) {
+            lines.push(format!("could not save the plan: {e}"));
+        }
+        lines
+    }
+
+    fn next_group(&mut self) -> Vec<String> {
+        let path = crate::groups::Plan::path(self.transcript.path());
+        match crate::groups::Plan::load(&path) {
+            Some(mut plan) => self.start_group(&mut plan),
+            None => Vec::new(),
+        }
     }
 
     fn put(&mut self, text: &str) -> Result<()> {

@@ -50,7 +50,6 @@ impl Transcript {
         Ok(Self { path, file })
     }
 
-    #[cfg(test)]
     pub fn path(&self) -> &Path {
         &self.path
     }

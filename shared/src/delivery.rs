@@ -169,7 +169,8 @@ pub async fn publish_item(
     Ok(())
 }
 
-/// Whether the delivery item is still on the session's lane (queued or in flight).
+/// Whether the delivery item is still on the session's lane (queued or in flight), or a run
+/// is, which hands completions over itself.
 async fn on_lane(
     js: &jetstream::Context,
     session: &SessionId,
@@ -193,7 +194,10 @@ async fn on_lane(
             Ok(msg) => {
                 seq = msg.sequence;
                 if let Ok(env) = Envelope::decode(&msg.payload) {
-                    if env.kind == lane_kind::DELIVERY && env.id == delivery.as_str() {
+                    // A run on the lane is the session's deliverer while it lasts (R4).
+                    if (env.kind == lane_kind::DELIVERY && env.id == delivery.as_str())
+                        || env.kind == lane_kind::RUN
+                    {
                         return Ok(true);
                     }
                 }

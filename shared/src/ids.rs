@@ -114,6 +114,10 @@ prefixed_id!(
     StepId, "stp_", "step"
 );
 prefixed_id!(
+    /// One run: a message sequence driven to completion on a session's lane (R5).
+    RunId, "run_", "run"
+);
+prefixed_id!(
     /// One `delivery` lane item: pending completions handed to the agent as one turn.
     DeliveryId, "dlv_", "delivery"
 );
@@ -200,6 +204,18 @@ impl From<&TurnId> for ExecutionId {
 impl From<&StepId> for ExecutionId {
     fn from(id: &StepId) -> Self {
         Self(id.to_string())
+    }
+}
+
+impl RunId {
+    /// The turn of round `round` of message `message` of this run: derived, so a run resumed
+    /// after a crash finds the turns it already ran (R14).
+    pub fn turn(&self, message: usize, round: u32) -> TurnId {
+        TurnId(format!(
+            "{}{}-{message}-{round}",
+            TurnId::PREFIX,
+            &self.0[RunId::PREFIX.len()..]
+        ))
     }
 }
 

@@ -12,6 +12,7 @@ pub mod execution;
 pub mod ids;
 pub mod kv;
 pub mod records;
+pub mod runs;
 pub mod service;
 pub mod step_api;
 pub mod subjects;
@@ -20,5 +21,6 @@ pub mod topology;
 
 pub use envelope::{Envelope, EnvelopeError, WIRE_VERSION};
 pub use ids::{
-    ConversationId, DeliveryId, EventId, ExecutionId, HostName, IdError, SessionId, StepId, TurnId,
+    ConversationId, DeliveryId, EventId, ExecutionId, HostName, IdError, RunId, SessionId, StepId,
+    TurnId,
 };

@@ -164,6 +164,7 @@ impl TurnState {
 pub mod lane_kind {
     pub const TURN: &str = "lane.turn";
     pub const DELIVERY: &str = "lane.delivery";
+    pub const RUN: &str = "lane.run";
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -172,12 +173,14 @@ pub struct TurnItem {
     pub text: String,
 }
 
-/// What a session's lane carries. Runs join later.
+/// What a session's lane carries.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LaneItem {
     Turn(TurnItem),
     /// Hand every pending completion over in one turn (R3).
     Delivery(DeliveryItem),
+    /// Drive a run's messages to completion (R5).
+    Run(crate::runs::RunItem),
 }
 
 impl LaneItem {
@@ -190,6 +193,9 @@ impl LaneItem {
             Self::Delivery(item) => Ok(Envelope::new(lane_kind::DELIVERY, item)?
                 .with_session(session)
                 .with_id(item.delivery.to_string())),
+            Self::Run(item) => Ok(Envelope::new(lane_kind::RUN, item)?
+                .with_session(session)
+                .with_id(item.run.to_string())),
         }
     }
 
@@ -210,6 +216,7 @@ impl LaneItem {
                 Ok(Self::Turn(item))
             }
             lane_kind::DELIVERY => Ok(Self::Delivery(env.data_as()?)),
+            lane_kind::RUN => Ok(Self::Run(env.data_as()?)),
             other => Err(LaneItemError::UnknownKind(other.to_string())),
         }
     }

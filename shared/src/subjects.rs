@@ -17,6 +17,8 @@ pub const HOSTS_BUCKET: &str = "ts_hosts";
 pub const EXECUTIONS_BUCKET: &str = "ts_executions";
 /// One marker per session while a `delivery` lane item is waiting (never more than one).
 pub const DELIVERIES_BUCKET: &str = "ts_deliveries";
+/// Runs and their progress (R5, R12): a run resumed by another replica continues from here.
+pub const RUNS_BUCKET: &str = "ts_runs";
 
 /// The priority group every lane consumer pins one session-lane replica to.
 pub const LANE_GROUP: &str = "lane";
@@ -139,6 +141,11 @@ pub mod api {
     pub const SESSION_STOP: &str = "ts.api.session.stop";
     pub const SESSION_LIST: &str = "ts.api.session.list";
     pub const SESSION_SHOW: &str = "ts.api.session.show";
+
+    /// Runs, served by session-lane: start one now, show one.
+    pub const RUNS_GROUP: &str = "ts.api.runs";
+    pub const RUNS_START: &str = "ts.api.runs.start";
+    pub const RUNS_SHOW: &str = "ts.api.runs.show";
 
     pub const BROKER_SERVICE: &str = "turnstile-notification-broker";
     pub const STEPS_GROUP: &str = "ts.api.steps";

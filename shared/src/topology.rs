@@ -79,6 +79,7 @@ pub struct Buckets {
     pub hosts: crate::kv::Bucket,
     pub executions: crate::kv::Bucket,
     pub deliveries: crate::kv::Bucket,
+    pub runs: crate::kv::Bucket,
 }
 
 fn stream_config(
@@ -152,6 +153,7 @@ pub async fn provision(
         bucket(subjects::HOSTS_BUCKET, cfg.host_ttl),
         bucket(subjects::EXECUTIONS_BUCKET, Duration::ZERO),
         bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO),
+        bucket(subjects::RUNS_BUCKET, Duration::ZERO),
     ] {
         let name = config.bucket.clone();
         let store =
@@ -164,17 +166,30 @@ pub async fn provision(
         opened.push(crate::kv::Bucket::new(store, &name));
     }
     let mut it = opened.into_iter();
-    match (it.next(), it.next(), it.next(), it.next(), it.next()) {
-        (Some(sessions), Some(turns), Some(hosts), Some(executions), Some(deliveries)) => {
-            Ok(Buckets {
-                sessions,
-                turns,
-                hosts,
-                executions,
-                deliveries,
-            })
-        }
-        _ => unreachable!("five buckets were opened above"),
+    match (
+        it.next(),
+        it.next(),
+        it.next(),
+        it.next(),
+        it.next(),
+        it.next(),
+    ) {
+        (
+            Some(sessions),
+            Some(turns),
+            Some(hosts),
+            Some(executions),
+            Some(deliveries),
+            Some(runs),
+        ) => Ok(Buckets {
+            sessions,
+            turns,
+            hosts,
+            executions,
+            deliveries,
+            runs,
+        }),
+        _ => unreachable!("six buckets were opened above"),
     }
 }
 

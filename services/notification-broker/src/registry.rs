@@ -182,11 +182,10 @@ pub(crate) async fn lane_occupant(
         Ok(m) => m,
         Err(_) => return Ok(None),
     };
-    Ok(match LaneItem::decode(&msg.payload, session) {
-        Ok(LaneItem::Turn(t)) => Some(t.turn),
-        Ok(LaneItem::Delivery(d)) => Some(d.delivery.turn()),
-        Err(_) => None,
-    })
+    let Ok(item) = LaneItem::decode(&msg.payload, session) else {
+        return Ok(None);
+    };
+    Ok(turnstile_shared::runs::current_turn(&item, &ctx.buckets.runs).await?)
 }
 
 /// Queues the end of an execution for the ended consumer (the one writer of terminal states).

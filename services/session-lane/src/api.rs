@@ -18,6 +18,7 @@ use turnstile_shared::records::{
     reason, transport_kind, HostRecord, LaneItem, SessionRecord, SessionState, StartCommand,
     StopCommand, TurnItem, TurnRecord, TurnState,
 };
+use turnstile_shared::runs::{RunItem, RunRecord, RunRef, RunState, StartRun};
 use turnstile_shared::{subjects, topology, HostName, SessionId, TurnId};
 
 use crate::{Ctx, Error};
@@ -50,6 +51,20 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     endpoint!("stop", stop);
     endpoint!("list", list);
     endpoint!("show", show);
+    let runs = service.group(subjects::api::RUNS_GROUP);
+    for (verb, which) in [("start", 0), ("show", 1)] {
+        let endpoint = runs.endpoint(verb).await.map_err(Error::Api)?;
+        let ctx = ctx.clone();
+        let shutdown = shutdown.clone();
+        tasks.push(match which {
+            0 => tokio::spawn(turnstile_shared::service::serve_endpoint(
+                ctx, endpoint, shutdown, start_run,
+            )),
+            _ => tokio::spawn(turnstile_shared::service::serve_endpoint(
+                ctx, endpoint, shutdown, show_run,
+            )),
+        });
+    }
     futures::future::join_all(tasks).await;
     let _ = service.stop().await;
     Ok(())
@@ -418,10 +433,11 @@ async fn in_flight_turn(
     seq: u64,
 ) -> Option<TurnRecord> {
     let msg = stream.direct_get(seq).await.ok()?;
-    let turn: TurnId = match LaneItem::decode(&msg.payload, session).ok()? {
-        LaneItem::Turn(item) => item.turn,
-        LaneItem::Delivery(item) => item.delivery.turn(),
-    };
+    let item = LaneItem::decode(&msg.payload, session).ok()?;
+    let turn: TurnId = turnstile_shared::runs::current_turn(&item, &ctx.buckets.runs)
+        .await
+        .ok()
+        .flatten()?;
     ctx.buckets
         .turns
         .get::<TurnRecord>(turn.as_str())
@@ -429,4 +445,84 @@ async fn in_flight_turn(
         .ok()
         .flatten()
         .map(|(r, _)| r)
+}
+
+/// Queues a run on the session's lane: its record first (queued), then the lane item (R14).
+async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord, ApiError> {
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_request("a run needs at least one message"));
+    }
+    for m in req.messages.iter().chain(req.finalizer.iter()) {
+        if m.trim().is_empty() || m.len() > MAX_TEXT {
+            return Err(ApiError::bad_request(format!(
+                "every message must be 1-{MAX_TEXT} bytes and not blank"
+            )));
+        }
+    }
+    if req.limits.max_rounds == 0 {
+        return Err(ApiError::bad_request("max_rounds must be at least 1"));
+    }
+    let session = active_session(&ctx, &req.session).await?;
+    let id = req.id.clone().unwrap_or_default();
+    let record = RunRecord {
+        id: id.clone(),
+        session: session.id.clone(),
+        schedule: req.schedule.clone(),
+        created_at: Utc::now(),
+        messages: req.messages.clone(),
+        finalizer: req.finalizer.clone(),
+        limits: req.limits,
+        progress: Vec::new(),
+        state: RunState::Queued,
+    };
+    let record = match ctx
+        .buckets
+        .runs
+        .create(id.as_str(), &record)
+        .await
+        .map_err(internal)?
+    {
+        Some(_) => record,
+        None => {
+            let existing = ctx
+                .buckets
+                .runs
+                .get::<RunRecord>(id.as_str())
+                .await
+                .map_err(internal)?
+                .map(|(r, _)| r)
+                .ok_or_else(|| ApiError::internal("run vanished"))?;
+            if existing.session != session.id {
+                return Err(ApiError::bad_request(format!(
+                    "run {id} belongs to another session"
+                )));
+            }
+            existing
+        }
+    };
+    let item = LaneItem::Run(RunItem { run: id.clone() });
+    let env = item.to_envelope(&session.id).map_err(internal)?;
+    events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
+        .await
+        .map_err(internal)?;
+    let ev = session_event(
+        "run.queued",
+        &session.id,
+        None,
+        &json!({ "run": id, "schedule": record.schedule }),
+    )
+    .map_err(internal)?
+    .with_id(format!("{id}:run.queued"));
+    events::publish(&ctx.js, &ev).await.map_err(internal)?;
+    Ok(record)
+}
+
+async fn show_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
+    ctx.buckets
+        .runs
+        .get::<RunRecord>(req.run.as_str())
+        .await
+        .map_err(internal)?
+        .map(|(r, _)| r)
+        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))
 }

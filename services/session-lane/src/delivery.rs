@@ -22,7 +22,7 @@ use crate::lane::{dispatch, finish, release, wait_terminal};
 use crate::Ctx;
 
 #[derive(Debug, thiserror::Error)]
-enum DeliveryError {
+pub(crate) enum DeliveryError {
     #[error(transparent)]
     Kv(#[from] turnstile_shared::kv::KvError),
     #[error(transparent)]
@@ -144,7 +144,7 @@ async fn retry_later(
 /// this one did not take (beyond the cap, or stored between its fetch and the clearing: their
 /// routers saw the marker and left them to this delivery). Any completion stored after the
 /// clearing arms a delivery itself.
-async fn disarm_and_recheck(
+pub(crate) async fn disarm_and_recheck(
     ctx: &Ctx,
     session: &SessionId,
     item: &DeliveryItem,
@@ -168,7 +168,7 @@ async fn disarm_and_recheck(
 
 /// Pulls up to the cap of pending completions; refuses those not addressed to a session that
 /// owns or watches them (R8). Returns what to carry and the messages held.
-async fn collect(
+pub(crate) async fn collect(
     ctx: &Ctx,
     session: &SessionRecord,
 ) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DeliveryError> {
@@ -271,7 +271,7 @@ async fn reject(ctx: &Ctx, session: &SessionId, m: &jetstream::Message, reason: 
 
 /// After the delivery turn: completed → ack what it carried (messages held now, or by
 /// sequence for a delivery resumed after a crash); failed → leave them pending (R3).
-async fn settle(
+pub(crate) async fn settle(
     ctx: &Ctx,
     session: &SessionRecord,
     record: &TurnRecord,

@@ -160,6 +160,7 @@ async fn handle_item(
         Ok(LaneItem::Delivery(item)) => {
             crate::delivery::run_delivery(&ctx, &session, msg, item, &cancel).await
         }
+        Ok(LaneItem::Run(item)) => crate::run::run_run(&ctx, &session, msg, item, &cancel).await,
         Err(e) => reject(&ctx, &session, &msg, &e.to_string()).await,
     }
 }

@@ -4,6 +4,7 @@
 mod api;
 mod delivery;
 mod lane;
+mod run;
 mod supervisor;
 mod turn_watch;
 

@@ -6,5 +6,6 @@ mod children;
 mod delivery;
 mod faults;
 mod lanes;
+mod runs;
 mod stack;
 mod stop;

@@ -592,3 +592,47 @@ pub async fn wait_deliveries(
     })
     .await
 }
+
+/// Runs (R5), as tests drive them.
+impl Stack {
+    pub async fn start_run(
+        &self,
+        session: &SessionId,
+        messages: &[&str],
+        finalizer: Option<&str>,
+    ) -> Result<turnstile_shared::runs::RunRecord> {
+        let req = turnstile_shared::runs::StartRun {
+            session: session.clone(),
+            messages: messages.iter().map(|m| m.to_string()).collect(),
+            finalizer: finalizer.map(str::to_string),
+            limits: Default::default(),
+            schedule: None,
+            id: None,
+        };
+        Ok(api::call(&self.client, subj::RUNS_START, &req, API).await?)
+    }
+
+    /// Waits (on the run's KV key) until it has ended.
+    pub async fn wait_run(
+        &self,
+        run: &turnstile_shared::RunId,
+        timeout: Duration,
+    ) -> Result<turnstile_shared::runs::RunRecord> {
+        let kv = self.js.get_key_value(subjects::RUNS_BUCKET).await?;
+        let mut watch = kv.watch_with_history(run.as_str()).await?;
+        tokio::time::timeout(timeout, async {
+            while let Some(entry) = watch.next().await {
+                if let Ok(r) =
+                    serde_json::from_slice::<turnstile_shared::runs::RunRecord>(&entry?.value)
+                {
+                    if r.state.is_terminal() {
+                        return Ok(r);
+                    }
+                }
+            }
+            bail!("watch of run {run} ended")
+        })
+        .await
+        .with_context(|| format!("run {run} did not end within {timeout:?}"))?
+    }
+}

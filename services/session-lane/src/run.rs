@@ -1,0 +1,603 @@
+//! A `run` lane item (R5): while it holds the lane it drives its messages to completion. Each
+//! message is a turn; then, round after round, it waits until everything that turn started is
+//! terminal, hands the completions to the agent as one next turn (R3; the run is the session's
+//! only deliverer meanwhile, R4), and stops when a turn starts nothing new. Then the next
+//! message, then the finalizer. Bounded by `max_rounds`, `max_duration` and `idle_timeout`
+//! (R10); `completed` only if every message completed (R12). Progress lives in the run record,
+//! so a replica that takes the lane over continues where the run was (R14).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use chrono::Utc;
+use futures::StreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::api;
+use turnstile_shared::delivery::{self, Completion, DeliveryItem, DeliveryMarker};
+use turnstile_shared::events::{self, session_event};
+use turnstile_shared::kv::Change;
+use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::runs::{run_reason, MessageProgress, RunItem, RunRecord, RunState};
+use turnstile_shared::step_api::{ExecRef, TreeNode};
+use turnstile_shared::subjects;
+use turnstile_shared::{DeliveryId, ExecutionId, SessionId, TurnId};
+
+use crate::delivery::{collect, disarm_and_recheck, settle, DeliveryError};
+use crate::lane::{dispatch, release, wait_terminal};
+use crate::Ctx;
+
+pub mod run_kind {
+    pub const STARTED: &str = "run.started";
+    pub const COMPLETED: &str = "run.completed";
+    pub const FAILED: &str = "run.failed";
+    pub const ROUND: &str = "run.round";
+}
+
+/// How often a wait for children re-reads the tree even without an event (a missed event
+/// costs at most this).
+const RECHECK: Duration = Duration::from_secs(2);
+const API: Duration = Duration::from_secs(5);
+
+pub(crate) async fn run_run(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: jetstream::Message,
+    item: RunItem,
+    cancel: &CancellationToken,
+) {
+    let record = match ctx.buckets.runs.get::<RunRecord>(item.run.as_str()).await {
+        Ok(Some((r, _))) => r,
+        Ok(None) => {
+            let reason = format!("no run record {}", item.run);
+            return crate::lane::reject(ctx, session, &msg, &reason).await;
+        }
+        Err(e) => return retry(&msg, &item, &e.to_string()).await,
+    };
+    if record.session != session.id {
+        let reason = format!("run {} belongs to session {}", record.id, record.session);
+        return crate::lane::reject(ctx, session, &msg, &reason).await;
+    }
+    if record.state.is_terminal() {
+        let _ = msg.double_ack().await;
+        return;
+    }
+    let record = match start(ctx, record).await {
+        Ok(r) => r,
+        Err(e) => return retry(&msg, &item, &e.to_string()).await,
+    };
+    // R4: while the run holds the lane, its marker tells the broker a deliverer exists.
+    let marker = hold_deliveries(ctx, &session.id).await;
+    let mut driver = Driver {
+        ctx,
+        session,
+        msg: &msg,
+        cancel,
+        run: record,
+    };
+    match driver.drive().await {
+        Ok(Some(end)) => {
+            if let Err(e) = driver.end(end).await {
+                return retry(&msg, &item, &e.to_string()).await;
+            }
+            if let Some(m) = marker {
+                if let Err(e) = disarm_and_recheck(ctx, &session.id, &m).await {
+                    tracing::warn!(run = %item.run, error = %e, "release delivery marker");
+                }
+            }
+            let _ = msg.double_ack().await;
+        }
+        // Cancelled (replica stopping): the lane moves, the run continues elsewhere.
+        Ok(None) => release(ctx, &msg).await,
+        Err(e) => retry(&msg, &item, &e.to_string()).await,
+    }
+}
+
+async fn retry(msg: &jetstream::Message, item: &RunItem, e: &str) {
+    tracing::warn!(run = %item.run, error = %e, "run interrupted; retrying");
+    let _ = msg
+        .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+        .await;
+}
+
+async fn start(ctx: &Ctx, record: RunRecord) -> Result<RunRecord, DriveError> {
+    if !matches!(record.state, RunState::Queued) {
+        return Ok(record);
+    }
+    let started_at = Utc::now();
+    let next = ctx
+        .buckets
+        .runs
+        .modify::<RunRecord, _>(record.id.as_str(), |cur| match cur {
+            Some(r) if matches!(r.state, RunState::Queued) => Change::Write(RunRecord {
+                state: RunState::Running { started_at },
+                ..r.clone()
+            }),
+            _ => Change::Keep,
+        })
+        .await?
+        .ok_or(DriveError::Gone)?;
+    event(
+        ctx,
+        &next,
+        run_kind::STARTED,
+        json!({ "messages": next.messages.len() }),
+    )
+    .await;
+    Ok(next)
+}
+
+/// Creates the session's delivery marker for the run (unless a delivery is armed already);
+/// returns it as an item to clear when the run ends.
+async fn hold_deliveries(ctx: &Ctx, session: &SessionId) -> Option<DeliveryItem> {
+    let marker = DeliveryMarker {
+        delivery: DeliveryId::new(),
+        armed_at: Utc::now(),
+    };
+    match ctx
+        .buckets
+        .deliveries
+        .create(session.as_str(), &marker)
+        .await
+    {
+        Ok(Some(rev)) => Some(DeliveryItem {
+            delivery: marker.delivery,
+            marker_rev: Some(rev),
+        }),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!(%session, error = %e, "hold deliveries for the run");
+            None
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum DriveError {
+    #[error(transparent)]
+    Kv(#[from] turnstile_shared::kv::KvError),
+    #[error(transparent)]
+    Delivery(#[from] DeliveryError),
+    #[error("dispatch: {0}")]
+    Dispatch(async_nats::Error),
+    #[error("run record disappeared")]
+    Gone,
+}
+
+/// How a run ended.
+struct End {
+    state: RunState,
+}
+
+struct Driver<'a> {
+    ctx: &'a Ctx,
+    session: &'a SessionRecord,
+    msg: &'a jetstream::Message,
+    cancel: &'a CancellationToken,
+    run: RunRecord,
+}
+
+impl Driver<'_> {
+    fn started_at(&self) -> chrono::DateTime<Utc> {
+        match &self.run.state {
+            RunState::Running { started_at } => *started_at,
+            _ => Utc::now(),
+        }
+    }
+
+    fn failed(&self, reason: &str, detail: String, index: usize, exec: Option<ExecutionId>) -> End {
+        End {
+            state: RunState::Failed {
+                started_at: Some(self.started_at()),
+                ended_at: Utc::now(),
+                reason: reason.to_string(),
+                detail,
+                message_index: index,
+                execution: exec,
+            },
+        }
+    }
+
+    /// `Ok(None)` when cancelled.
+    async fn drive(&mut self) -> Result<Option<End>, DriveError> {
+        let texts: Vec<String> = self.run.texts().into_iter().map(str::to_string).collect();
+        let first = self.run.progress.iter().take_while(|m| m.done).count();
+        for (index, text) in texts.iter().enumerate().skip(first) {
+            match self.message(index, text).await? {
+                Step::Next => {}
+                Step::End(end) => return Ok(Some(end)),
+                Step::Cancelled => return Ok(None),
+            }
+        }
+        Ok(Some(End {
+            state: RunState::Completed {
+                started_at: self.started_at(),
+                ended_at: Utc::now(),
+            },
+        }))
+    }
+
+    /// One message: its turn, then hand-over rounds until a turn starts nothing new.
+    async fn message(&mut self, index: usize, text: &str) -> Result<Step, DriveError> {
+        // Completions the next turn carries, held unacked until it completed (R3).
+        let mut held: Vec<jetstream::Message> = Vec::new();
+        loop {
+            if let Some(end) = self.over_time(index) {
+                nak_all(&held).await;
+                return Ok(Step::End(end));
+            }
+            let turns = self
+                .run
+                .progress
+                .get(index)
+                .map(|m| m.turns.clone())
+                .unwrap_or_default();
+            let turn = match turns.last() {
+                None => {
+                    if let Some(end) = self.over_rounds(index) {
+                        return Ok(Step::End(end));
+                    }
+                    let t = self.run.id.turn(index, 0);
+                    self.record_turn(index, &t, text.to_string(), None).await?;
+                    t
+                }
+                // Resumed, or the hand-over recorded below: the latest turn.
+                Some(t) if self.turn_record(t).await?.is_some() => t.clone(),
+                Some(_) => {
+                    // Recorded in the run but its turn record was never written (a crash in
+                    // between): drop it and hand over afresh.
+                    self.forget_last_turn(index).await?;
+                    continue;
+                }
+            };
+            let this_round = std::mem::take(&mut held);
+            let Some(record) = self.run_turn(&turn, &this_round).await? else {
+                nak_all(&this_round).await;
+                return Ok(Step::Cancelled);
+            };
+            settle(self.ctx, self.session, &record, &this_round).await;
+            if let TurnState::Failed { reason, detail, .. } = &record.state {
+                let why = format!("turn {} failed: {reason}: {detail}", record.id);
+                let exec = Some(record.id.clone().into());
+                return Ok(Step::End(self.failed(
+                    run_reason::TURN_FAILED,
+                    why,
+                    index,
+                    exec,
+                )));
+            }
+            self.event_round(index, &record).await;
+            // Wait for everything this turn started, then take what came back.
+            let started = match self.wait_children(index, &turn).await? {
+                Wait::Settled(ids) => ids,
+                Wait::Idle => {
+                    let why = format!("no progress for {:?}", self.run.limits.idle_timeout);
+                    let exec = Some(turn.into());
+                    return Ok(Step::End(self.failed(
+                        run_reason::IDLE_TIMEOUT,
+                        why,
+                        index,
+                        exec,
+                    )));
+                }
+                Wait::OverTime(end) => return Ok(Step::End(end)),
+                Wait::Cancelled => return Ok(Step::Cancelled),
+            };
+            let (carried, taken) = self.take_completions(&started).await?;
+            if carried.is_empty() {
+                // Nothing came back: the turn started nothing new (or only work whose
+                // completions go elsewhere). The message is done.
+                self.message_done(index).await?;
+                return Ok(Step::Next);
+            }
+            if let Some(end) = self.over_rounds(index) {
+                nak_all(&taken).await;
+                return Ok(Step::End(end));
+            }
+            let round = self.run.progress.get(index).map_or(0, |m| m.turns.len()) as u32;
+            let next = self.run.id.turn(index, round);
+            let completions: Vec<Completion> = carried.iter().map(|(c, _)| c.clone()).collect();
+            let carried = Carried {
+                delivery: DeliveryId::new(),
+                completions: carried
+                    .iter()
+                    .map(|(c, seq)| CarriedCompletion {
+                        execution: c.execution.clone(),
+                        seq: *seq,
+                    })
+                    .collect(),
+            };
+            let text = delivery::render_batch(&completions);
+            if let Err(e) = self.record_turn(index, &next, text, Some(carried)).await {
+                nak_all(&taken).await;
+                return Err(e);
+            }
+            held = taken;
+        }
+    }
+
+    fn over_time(&self, index: usize) -> Option<End> {
+        let limit = self.run.limits.max_duration;
+        let elapsed = (Utc::now() - self.started_at())
+            .to_std()
+            .unwrap_or_default();
+        (elapsed > limit).then(|| {
+            let why = format!("ran {elapsed:?}, over max_duration {limit:?}");
+            self.failed(run_reason::MAX_DURATION, why, index, None)
+        })
+    }
+
+    fn over_rounds(&self, index: usize) -> Option<End> {
+        let limit = self.run.limits.max_rounds;
+        (self.run.rounds() >= limit).then(|| {
+            let why = format!("{} rounds reached max_rounds {limit}", self.run.rounds());
+            self.failed(run_reason::MAX_ROUNDS, why, index, None)
+        })
+    }
+
+    async fn turn_record(&self, turn: &TurnId) -> Result<Option<TurnRecord>, DriveError> {
+        Ok(self
+            .ctx
+            .buckets
+            .turns
+            .get::<TurnRecord>(turn.as_str())
+            .await?
+            .map(|(r, _)| r))
+    }
+
+    /// Appends the turn to the run's progress (so a step started during it is parented to it,
+    /// R6), then creates its record; both before it is typed (R14).
+    async fn record_turn(
+        &mut self,
+        index: usize,
+        turn: &TurnId,
+        text: String,
+        carried: Option<Carried>,
+    ) -> Result<(), DriveError> {
+        self.update(|r| {
+            while r.progress.len() <= index {
+                r.progress.push(MessageProgress::default());
+            }
+            if !r.progress[index].turns.contains(turn) {
+                r.progress[index].turns.push(turn.clone());
+            }
+        })
+        .await?;
+        let record = TurnRecord {
+            id: turn.clone(),
+            session: self.session.id.clone(),
+            text,
+            queued_at: Utc::now(),
+            delivery: carried,
+            state: TurnState::Queued,
+        };
+        self.ctx
+            .buckets
+            .turns
+            .create(turn.as_str(), &record)
+            .await?;
+        Ok(())
+    }
+
+    async fn forget_last_turn(&mut self, index: usize) -> Result<(), DriveError> {
+        self.update(|r| {
+            if let Some(m) = r.progress.get_mut(index) {
+                m.turns.pop();
+            }
+        })
+        .await
+    }
+
+    async fn message_done(&mut self, index: usize) -> Result<(), DriveError> {
+        self.update(|r| {
+            while r.progress.len() <= index {
+                r.progress.push(MessageProgress::default());
+            }
+            r.progress[index].done = true;
+        })
+        .await
+    }
+
+    async fn update(&mut self, f: impl Fn(&mut RunRecord)) -> Result<(), DriveError> {
+        let next = self
+            .ctx
+            .buckets
+            .runs
+            .modify::<RunRecord, _>(self.run.id.as_str(), |cur| match cur {
+                Some(r) => {
+                    let mut n = r.clone();
+                    f(&mut n);
+                    if n == *r {
+                        Change::Keep
+                    } else {
+                        Change::Write(n)
+                    }
+                }
+                None => Change::Keep,
+            })
+            .await?
+            .ok_or(DriveError::Gone)?;
+        self.run = next;
+        Ok(())
+    }
+
+    /// Types the turn (unless it already ended) and waits for its outcome; `None` if cancelled.
+    async fn run_turn(
+        &self,
+        turn: &TurnId,
+        held: &[jetstream::Message],
+    ) -> Result<Option<TurnRecord>, DriveError> {
+        let waiter = self.ctx.turns.wait(turn);
+        let record = self.turn_record(turn).await?.ok_or(DriveError::Gone)?;
+        if record.state.is_terminal() {
+            return Ok(Some(record));
+        }
+        dispatch(self.ctx, self.session, self.msg, turn, &record.text)
+            .await
+            .map_err(DriveError::Dispatch)?;
+        Ok(wait_terminal(self.ctx, self.msg, turn, waiter, self.cancel, held).await)
+    }
+
+    /// Waits until the turn's whole subtree is terminal (R5). Step events are progress (R10).
+    async fn wait_children(&self, index: usize, turn: &TurnId) -> Result<Wait, DriveError> {
+        let mut events = match self
+            .ctx
+            .client
+            .subscribe(format!("ts.events.session.{}.step.>", self.session.id))
+            .await
+        {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "step events; re-reading the tree on a timer");
+                None
+            }
+        };
+        let mut last_progress = tokio::time::Instant::now();
+        let id = ExecutionId::from(turn);
+        loop {
+            let tree: Option<TreeNode> = api::call(
+                &self.ctx.client,
+                subjects::api::EXEC_TREE,
+                &ExecRef { id: id.clone() },
+                API,
+            )
+            .await
+            .ok();
+            if let Some(t) = &tree {
+                if t.settled {
+                    let mut ids = Vec::new();
+                    collect_ids(t, &mut ids);
+                    return Ok(Wait::Settled(ids));
+                }
+            }
+            let idle = self.run.limits.idle_timeout;
+            let deadline = last_progress + idle;
+            if let Some(end) = self.over_time(index) {
+                return Ok(Wait::OverTime(end));
+            }
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return Ok(Wait::Cancelled),
+                Some(_) = async { match events.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
+                    last_progress = tokio::time::Instant::now();
+                }
+                _ = tokio::time::sleep(RECHECK) => {}
+                _ = tokio::time::sleep_until(deadline) => return Ok(Wait::Idle),
+            }
+            // Keep the run item alive while it waits.
+            let _ = self.msg.ack_with(AckKind::Progress).await;
+        }
+    }
+
+    /// Takes pending completions for the session, waiting (bounded) until every execution the
+    /// turn's subtree finished has its completion here: routing follows the terminal record.
+    async fn take_completions(
+        &self,
+        expected: &[ExecutionId],
+    ) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DriveError> {
+        let mut want: HashSet<ExecutionId> = expected.iter().cloned().collect();
+        let mut carried = Vec::new();
+        let mut held = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let (c, h) = collect(self.ctx, self.session).await?;
+            for (comp, _) in &c {
+                want.remove(&comp.execution);
+            }
+            carried.extend(c);
+            held.extend(h);
+            // Executions whose completion goes elsewhere (detached work watched by others)
+            // never arrive here; the wait is bounded.
+            if want.is_empty() || tokio::time::Instant::now() >= deadline {
+                return Ok((carried, held));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    async fn event_round(&self, index: usize, record: &TurnRecord) {
+        let data = json!({
+            "message_index": index,
+            "turn": record.id,
+            "rounds": self.run.rounds(),
+        });
+        event(self.ctx, &self.run, run_kind::ROUND, data).await;
+    }
+
+    /// Records the end (R12) and emits `run.completed` or `run.failed`.
+    async fn end(&mut self, end: End) -> Result<(), DriveError> {
+        let state = end.state;
+        let next = self
+            .ctx
+            .buckets
+            .runs
+            .modify::<RunRecord, _>(self.run.id.as_str(), |cur| match cur {
+                Some(r) if !r.state.is_terminal() => Change::Write(RunRecord {
+                    state: state.clone(),
+                    ..r.clone()
+                }),
+                _ => Change::Keep,
+            })
+            .await?
+            .ok_or(DriveError::Gone)?;
+        let k = if matches!(next.state, RunState::Completed { .. }) {
+            run_kind::COMPLETED
+        } else {
+            run_kind::FAILED
+        };
+        let data = json!({ "state": next.state, "rounds": next.rounds() });
+        event(self.ctx, &next, k, data).await;
+        self.run = next;
+        Ok(())
+    }
+}
+
+enum Step {
+    Next,
+    End(End),
+    Cancelled,
+}
+
+enum Wait {
+    Settled(Vec<ExecutionId>),
+    Idle,
+    OverTime(End),
+    Cancelled,
+}
+
+async fn nak_all(held: &[jetstream::Message]) {
+    for h in held {
+        let _ = h.ack_with(AckKind::Nak(None)).await;
+    }
+}
+
+/// Every step under the node (not the node itself).
+fn collect_ids(node: &TreeNode, out: &mut Vec<ExecutionId>) {
+    for n in &node.nodes {
+        out.push(n.record.id.clone());
+        collect_ids(n, out);
+    }
+}
+
+async fn event(ctx: &Ctx, run: &RunRecord, k: &str, data: serde_json::Value) {
+    let mut data = data;
+    data["run"] = json!(run.id);
+    let ev = session_event(k, &run.session, None, &data).map(|e| {
+        let id = match k {
+            run_kind::ROUND => format!("{}:{k}:{}", run.id, data["turn"].as_str().unwrap_or("")),
+            _ => format!("{}:{k}", run.id),
+        };
+        e.with_id(id)
+    });
+    match ev {
+        Ok(ev) => {
+            if let Err(e) = events::publish(&ctx.js, &ev).await {
+                tracing::warn!(run = %run.id, error = %e, "run event");
+            }
+        }
+        Err(e) => tracing::warn!(run = %run.id, error = %e, "build run event"),
+    }
+}

@@ -1,0 +1,222 @@
+//! Runs: a message sequence driven to completion on one session's lane (R5), with its bounds
+//! (R10) and an honest outcome (R12). The record holds the progress, so a replica that takes
+//! the lane over continues the same run where it was.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{ExecutionId, RunId, SessionId, TurnId};
+
+/// Named reasons a run fails with; documented in docs/runs.md.
+pub mod run_reason {
+    pub const TURN_FAILED: &str = "turn_failed";
+    pub const MAX_ROUNDS: &str = "max_rounds";
+    pub const MAX_DURATION: &str = "max_duration";
+    pub const IDLE_TIMEOUT: &str = "idle_timeout";
+    pub const SESSION_STOPPED: &str = "session_stopped";
+}
+
+/// Ceilings of one run (R5, R10). Durations are whole seconds on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RunLimits {
+    #[serde(default = "default_max_rounds")]
+    pub max_rounds: u32,
+    #[serde(default = "default_max_duration", with = "secs")]
+    pub max_duration: Duration,
+    #[serde(default = "default_idle_timeout", with = "secs")]
+    pub idle_timeout: Duration,
+}
+
+fn default_max_rounds() -> u32 {
+    100
+}
+fn default_max_duration() -> Duration {
+    Duration::from_secs(3 * 3600)
+}
+fn default_idle_timeout() -> Duration {
+    Duration::from_secs(600)
+}
+
+impl Default for RunLimits {
+    fn default() -> Self {
+        Self {
+            max_rounds: default_max_rounds(),
+            max_duration: default_max_duration(),
+            idle_timeout: default_idle_timeout(),
+        }
+    }
+}
+
+mod secs {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let v = f64::deserialize(d)?;
+        if !(0.0..=1e9).contains(&v) {
+            return Err(serde::de::Error::custom(format!(
+                "duration {v} s is out of range"
+            )));
+        }
+        Ok(Duration::from_secs_f64(v))
+    }
+}
+
+/// One message of a run (the finalizer is the last, flagged) and the rounds it took.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MessageProgress {
+    /// The turns of its rounds, in order: the message itself, then each hand-over.
+    pub turns: Vec<TurnId>,
+    #[serde(default)]
+    pub done: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    pub id: RunId,
+    pub session: SessionId,
+    /// The schedule that fired it, if any (manual runs have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub messages: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finalizer: Option<String>,
+    #[serde(default)]
+    pub limits: RunLimits,
+    /// One entry per message begun (the finalizer last).
+    #[serde(default)]
+    pub progress: Vec<MessageProgress>,
+    #[serde(flatten)]
+    pub state: RunState,
+}
+
+impl RunRecord {
+    /// Every message in order, the finalizer last.
+    pub fn texts(&self) -> Vec<&str> {
+        self.messages
+            .iter()
+            .map(String::as_str)
+            .chain(self.finalizer.as_deref())
+            .collect()
+    }
+
+    pub fn rounds(&self) -> u32 {
+        self.progress.iter().map(|m| m.turns.len() as u32).sum()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum RunState {
+    /// Waiting on the lane (R2: not running until it holds it).
+    Queued,
+    Running {
+        started_at: DateTime<Utc>,
+    },
+    /// Every message and the finalizer completed (R12).
+    Completed {
+        started_at: DateTime<Utc>,
+        ended_at: DateTime<Utc>,
+    },
+    Failed {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        started_at: Option<DateTime<Utc>>,
+        ended_at: DateTime<Utc>,
+        reason: String,
+        detail: String,
+        /// Which message (0-based; the finalizer is `messages.len()`).
+        message_index: usize,
+        /// The execution that failed, when one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        execution: Option<ExecutionId>,
+    },
+}
+
+impl RunState {
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, Self::Completed { .. } | Self::Failed { .. })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running { .. } => "running",
+            Self::Completed { .. } => "completed",
+            Self::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// The `run` lane item.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunItem {
+    pub run: RunId,
+}
+
+/// `ts.api.runs.start`: run these messages on the session now (queued on its lane).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StartRun {
+    pub session: SessionId,
+    pub messages: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finalizer: Option<String>,
+    #[serde(default)]
+    pub limits: RunLimits,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<String>,
+    /// Chosen by a client that wants to retry safely.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<RunId>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRef {
+    pub run: RunId,
+}
+
+/// The turn a lane item has in flight: the turn itself, a delivery's derived turn, or a run's
+/// latest turn (from its record). `None` for a run that has not typed anything yet.
+pub async fn current_turn(
+    item: &crate::records::LaneItem,
+    runs: &crate::kv::Bucket,
+) -> Result<Option<TurnId>, crate::kv::KvError> {
+    use crate::records::LaneItem;
+    Ok(match item {
+        LaneItem::Turn(t) => Some(t.turn.clone()),
+        LaneItem::Delivery(d) => Some(d.delivery.turn()),
+        LaneItem::Run(r) => runs
+            .get::<RunRecord>(r.run.as_str())
+            .await?
+            .and_then(|(rec, _)| rec.progress.last().and_then(|m| m.turns.last().cloned())),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_default_and_round_trip() {
+        let l: RunLimits = serde_json::from_str("{}").expect("defaults");
+        assert_eq!(l, RunLimits::default());
+        assert_eq!(l.max_rounds, 100);
+        let l: RunLimits =
+            serde_json::from_str(r#"{"max_rounds":5,"idle_timeout":1.5}"#).expect("json");
+        assert_eq!(l.idle_timeout, Duration::from_millis(1500));
+        assert!(serde_json::from_str::<RunLimits>(r#"{"max_duration":-1}"#).is_err());
+    }
+
+    #[test]
+    fn run_turn_ids_are_derived_and_distinct() {
+        let r = RunId::new();
+        assert_eq!(r.turn(0, 0), r.turn(0, 0));
+        assert_ne!(r.turn(0, 1), r.turn(1, 0));
+        assert!(r.turn(12, 100).as_str().starts_with("trn_"));
+    }
+}
