@@ -1,6 +1,8 @@
 //! The scheduler service: schedules and slot claims (issue 4 fills it in). For now it
 //! connects and provisions the topology, so a deployment can already run every service.
 
+pub mod cron;
+
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::topology::TopologyConfig;
 
