@@ -4,6 +4,8 @@
 mod dev;
 mod events;
 mod mcp;
+mod runs;
+mod schedule;
 mod session;
 mod steps;
 mod worker;
@@ -34,6 +36,12 @@ enum Command {
     /// Create, inspect, message and stop sessions.
     #[command(subcommand)]
     Session(session::SessionCommand),
+    /// Add, inspect, pause, trigger and backfill schedules (cron-fired runs).
+    #[command(subcommand)]
+    Schedule(schedule::ScheduleCommand),
+    /// Start, inspect and list runs (a message sequence driven to completion on a session).
+    #[command(subcommand)]
+    Run(runs::RunCommand),
     /// Follow lifecycle events (`ts.events.>`).
     Events(events::EventsArgs),
     /// Start and inspect child executions (acts with the caller's session or step token).
@@ -91,6 +99,8 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Dev(args) => dev::run(args).await,
             Command::Session(cmd) => session::run(&cli.nats.url, cmd).await,
+            Command::Schedule(cmd) => schedule::run(&cli.nats.url, cmd).await,
+            Command::Run(cmd) => runs::run(&cli.nats.url, cmd).await,
             Command::Events(args) => events::run(&cli.nats.url, args).await,
             Command::Step(cmd) => steps::run(&cli.nats.url, cmd).await,
             Command::Tree { id, json } => steps::tree(&cli.nats.url, id, json).await,

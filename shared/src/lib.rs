@@ -13,6 +13,7 @@ pub mod ids;
 pub mod kv;
 pub mod records;
 pub mod runs;
+pub mod schedules;
 pub mod service;
 pub mod step_api;
 pub mod subjects;

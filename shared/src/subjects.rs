@@ -19,6 +19,9 @@ pub const EXECUTIONS_BUCKET: &str = "ts_executions";
 pub const DELIVERIES_BUCKET: &str = "ts_deliveries";
 /// Runs and their progress (R5, R12): a run resumed by another replica continues from here.
 pub const RUNS_BUCKET: &str = "ts_runs";
+/// Schedules (key: name) and their slot records (key: `<name>.<secs>.<nanos>`, R11).
+pub const SCHEDULES_BUCKET: &str = "ts_schedules";
+pub const SLOTS_BUCKET: &str = "ts_slots";
 
 /// The priority group every lane consumer pins one session-lane replica to.
 pub const LANE_GROUP: &str = "lane";
@@ -146,6 +149,19 @@ pub mod api {
     pub const RUNS_GROUP: &str = "ts.api.runs";
     pub const RUNS_START: &str = "ts.api.runs.start";
     pub const RUNS_SHOW: &str = "ts.api.runs.show";
+    pub const RUNS_LIST: &str = "ts.api.runs.list";
+
+    /// Schedules, served by the scheduler.
+    pub const SCHEDULER_SERVICE: &str = "turnstile-scheduler";
+    pub const SCHEDULES_GROUP: &str = "ts.api.schedules";
+    pub const SCHEDULES_ADD: &str = "ts.api.schedules.add";
+    pub const SCHEDULES_LIST: &str = "ts.api.schedules.list";
+    pub const SCHEDULES_SHOW: &str = "ts.api.schedules.show";
+    pub const SCHEDULES_PAUSE: &str = "ts.api.schedules.pause";
+    pub const SCHEDULES_RESUME: &str = "ts.api.schedules.resume";
+    pub const SCHEDULES_TRIGGER: &str = "ts.api.schedules.trigger";
+    pub const SCHEDULES_BACKFILL: &str = "ts.api.schedules.backfill";
+    pub const SCHEDULES_DELETE: &str = "ts.api.schedules.delete";
 
     pub const BROKER_SERVICE: &str = "turnstile-notification-broker";
     pub const STEPS_GROUP: &str = "ts.api.steps";

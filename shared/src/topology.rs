@@ -80,6 +80,8 @@ pub struct Buckets {
     pub executions: crate::kv::Bucket,
     pub deliveries: crate::kv::Bucket,
     pub runs: crate::kv::Bucket,
+    pub schedules: crate::kv::Bucket,
+    pub slots: crate::kv::Bucket,
 }
 
 fn stream_config(
@@ -154,6 +156,8 @@ pub async fn provision(
         bucket(subjects::EXECUTIONS_BUCKET, Duration::ZERO),
         bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO),
         bucket(subjects::RUNS_BUCKET, Duration::ZERO),
+        bucket(subjects::SCHEDULES_BUCKET, Duration::ZERO),
+        bucket(subjects::SLOTS_BUCKET, Duration::ZERO),
     ] {
         let name = config.bucket.clone();
         let store =
@@ -165,31 +169,20 @@ pub async fn provision(
                 })?;
         opened.push(crate::kv::Bucket::new(store, &name));
     }
-    let mut it = opened.into_iter();
-    match (
-        it.next(),
-        it.next(),
-        it.next(),
-        it.next(),
-        it.next(),
-        it.next(),
-    ) {
-        (
-            Some(sessions),
-            Some(turns),
-            Some(hosts),
-            Some(executions),
-            Some(deliveries),
-            Some(runs),
-        ) => Ok(Buckets {
-            sessions,
-            turns,
-            hosts,
-            executions,
-            deliveries,
-            runs,
-        }),
-        _ => unreachable!("six buckets were opened above"),
+    match <[crate::kv::Bucket; 8]>::try_from(opened) {
+        Ok([sessions, turns, hosts, executions, deliveries, runs, schedules, slots]) => {
+            Ok(Buckets {
+                sessions,
+                turns,
+                hosts,
+                executions,
+                deliveries,
+                runs,
+                schedules,
+                slots,
+            })
+        }
+        Err(_) => unreachable!("eight buckets were opened above"),
     }
 }
 

@@ -1,15 +1,23 @@
-//! The scheduler service: schedules and slot claims (issue 4 fills it in). For now it
-//! connects and provisions the topology, so a deployment can already run every service.
+//! The scheduler service: schedules and their API, cron in IANA zones, slot claims (R11),
+//! overlap and catch-up. Several replicas may run: each slot is decided by whoever creates its
+//! record first, and the run it fires is queued on the session's lane through session-lane.
 
+mod api;
 pub mod cron;
+pub mod plan;
+mod ticker;
+
+use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::topology::TopologyConfig;
+use turnstile_shared::config::{Connected, StartError};
+use turnstile_shared::topology::{Buckets, TopologyConfig};
 
 #[derive(Debug, Clone)]
 pub struct Config {
     pub nats_url: String,
     pub topology: TopologyConfig,
+    pub replica: String,
 }
 
 impl Config {
@@ -17,18 +25,43 @@ impl Config {
         Self {
             nats_url: nats_url.into(),
             topology: TopologyConfig::default(),
+            replica: format!("scheduler-{}", std::process::id()),
         }
     }
 }
 
-pub use turnstile_shared::config::StartError as Error;
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Start(#[from] StartError),
+    #[error("start API service: {0}")]
+    Api(async_nats::Error),
+}
 
-/// Connects, provisions, and idles until `shutdown` is cancelled.
+pub(crate) struct Ctx {
+    pub client: async_nats::Client,
+    pub js: async_nats::jetstream::Context,
+    pub buckets: Buckets,
+}
+
+/// Runs the scheduler until `shutdown` is cancelled.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
-    let started =
-        turnstile_shared::config::start(&config.nats_url, "scheduler", &config.topology).await?;
-    tracing::info!("scheduler running");
-    shutdown.cancelled().await;
-    let _ = started.client.flush().await;
-    Ok(())
+    let Connected {
+        client,
+        js,
+        buckets,
+    } = turnstile_shared::config::start(&config.nats_url, &config.replica, &config.topology)
+        .await?;
+    let ctx = Arc::new(Ctx {
+        client,
+        js,
+        buckets,
+    });
+    tracing::info!(replica = %config.replica, "scheduler running");
+    let (api, ()) = tokio::join!(
+        api::serve(ctx.clone(), shutdown.clone()),
+        ticker::run(ctx.clone(), shutdown.clone()),
+    );
+    let _ = ctx.client.drain().await;
+    api
 }

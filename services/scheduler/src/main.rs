@@ -11,6 +11,9 @@ struct Args {
     nats: NatsArgs,
     #[command(flatten)]
     topology: TopologyArgs,
+    /// This replica's name in logs (several schedulers may run).
+    #[arg(long, env = "TURNSTILE_REPLICA")]
+    replica: Option<String>,
 }
 
 #[tokio::main]
@@ -19,6 +22,9 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut config = turnstile_scheduler::Config::new(args.nats.url);
     config.topology = args.topology.to_config();
+    if let Some(r) = args.replica {
+        config.replica = r;
+    }
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
     turnstile_scheduler::run(config, shutdown).await?;

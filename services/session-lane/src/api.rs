@@ -52,17 +52,14 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     endpoint!("list", list);
     endpoint!("show", show);
     let runs = service.group(subjects::api::RUNS_GROUP);
-    for (verb, which) in [("start", 0), ("show", 1)] {
+    for (verb, which) in [("start", 0), ("show", 1), ("list", 2)] {
         let endpoint = runs.endpoint(verb).await.map_err(Error::Api)?;
-        let ctx = ctx.clone();
-        let shutdown = shutdown.clone();
+        let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
+        use turnstile_shared::service::serve_endpoint as serve;
         tasks.push(match which {
-            0 => tokio::spawn(turnstile_shared::service::serve_endpoint(
-                ctx, endpoint, shutdown, start_run,
-            )),
-            _ => tokio::spawn(turnstile_shared::service::serve_endpoint(
-                ctx, endpoint, shutdown, show_run,
-            )),
+            0 => tokio::spawn(serve(ctx, endpoint, shutdown, start_run)),
+            1 => tokio::spawn(serve(ctx, endpoint, shutdown, show_run)),
+            _ => tokio::spawn(serve(ctx, endpoint, shutdown, list_runs)),
         });
     }
     futures::future::join_all(tasks).await;
@@ -525,4 +522,23 @@ async fn show_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
         .map_err(internal)?
         .map(|(r, _)| r)
         .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))
+}
+
+/// Runs, newest first, optionally of one schedule (a scan of `ts_runs`; at most 200).
+async fn list_runs(
+    ctx: Arc<Ctx>,
+    req: turnstile_shared::schedules::ListRuns,
+) -> Result<Vec<RunRecord>, ApiError> {
+    let mut runs: Vec<RunRecord> = ctx
+        .buckets
+        .runs
+        .values::<RunRecord>()
+        .await
+        .map_err(internal)?
+        .into_iter()
+        .filter(|r| req.schedule.is_none() || r.schedule == req.schedule)
+        .collect();
+    runs.sort_by_key(|r| std::cmp::Reverse(r.created_at));
+    runs.truncate(200);
+    Ok(runs)
 }

@@ -7,5 +7,6 @@ mod delivery;
 mod faults;
 mod lanes;
 mod runs;
+mod schedules;
 mod stack;
 mod stop;

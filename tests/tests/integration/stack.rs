@@ -24,6 +24,7 @@ pub struct Stack {
     pub lanes: HashMap<String, ServiceProcess>,
     pub transports: HashMap<String, ServiceProcess>,
     pub brokers: HashMap<String, ServiceProcess>,
+    pub schedulers: HashMap<String, ServiceProcess>,
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     overrides: Vec<(String, String)>,
@@ -51,6 +52,7 @@ impl Stack {
             lanes: HashMap::new(),
             transports: HashMap::new(),
             brokers: HashMap::new(),
+            schedulers: HashMap::new(),
             client,
             js,
             overrides: overrides
@@ -65,6 +67,7 @@ impl Stack {
             stack.spawn_transport(h)?;
         }
         stack.spawn_broker("b1")?;
+        stack.spawn_scheduler("s1")?;
         Ok(stack)
     }
 
@@ -109,6 +112,18 @@ impl Stack {
         Ok(())
     }
 
+    pub fn spawn_scheduler(&mut self, replica: &str) -> Result<()> {
+        let p = ServiceProcess::spawn_in(
+            self.dir.path(),
+            "turnstile-scheduler",
+            &["--replica".to_string(), replica.to_string()],
+            &self.env(),
+            &format!("scheduler-{replica}"),
+        )?;
+        self.schedulers.insert(replica.to_string(), p);
+        Ok(())
+    }
+
     pub fn spawn_transport(&mut self, host: &str) -> Result<()> {
         let data = self.dir.path().join(format!("host-{host}"));
         let args = vec![
@@ -146,6 +161,7 @@ impl Stack {
             .iter()
             .chain(self.transports.iter())
             .chain(self.brokers.iter())
+            .chain(self.schedulers.iter())
         {
             out.push_str(&format!("--- {name}\n{}\n", p.log_tail(40)));
         }
@@ -634,5 +650,68 @@ impl Stack {
         })
         .await
         .with_context(|| format!("run {run} did not end within {timeout:?}"))?
+    }
+}
+
+/// Schedules and their slot records (R11).
+impl Stack {
+    pub async fn add_schedule(
+        &self,
+        spec: &turnstile_shared::schedules::ScheduleSpec,
+    ) -> Result<turnstile_shared::schedules::ScheduleRecord> {
+        Ok(api::call(&self.client, subj::SCHEDULES_ADD, spec, API).await?)
+    }
+
+    /// Every slot record of the schedule, oldest first.
+    pub async fn slots(&self, name: &str) -> Result<Vec<turnstile_shared::schedules::SlotRecord>> {
+        use futures::TryStreamExt;
+        let kv = self.js.get_key_value(subjects::SLOTS_BUCKET).await?;
+        let keys: Vec<String> = kv.keys().await?.try_collect().await?;
+        let mut out = Vec::new();
+        for k in keys.iter().filter(|k| k.starts_with(&format!("{name}."))) {
+            if let Some(b) = kv.get(k).await? {
+                out.push(serde_json::from_slice::<
+                    turnstile_shared::schedules::SlotRecord,
+                >(&b)?);
+            }
+        }
+        out.sort_by_key(|r| r.slot);
+        Ok(out)
+    }
+
+    /// Waits until the schedule has at least `n` slot records satisfying `pred`.
+    pub async fn wait_slots(
+        &self,
+        name: &str,
+        n: usize,
+        timeout: Duration,
+    ) -> Result<Vec<turnstile_shared::schedules::SlotRecord>> {
+        wait_until("slot records", timeout, || async move {
+            let s = self.slots(name).await?;
+            Ok((s.len() >= n).then_some(s))
+        })
+        .await
+    }
+}
+
+/// A schedule spec with test defaults: second-level cron in UTC.
+pub fn schedule(
+    name: &str,
+    cron: &str,
+    session: &SessionId,
+    messages: &[&str],
+) -> turnstile_shared::schedules::ScheduleSpec {
+    turnstile_shared::schedules::ScheduleSpec {
+        name: name.to_string(),
+        cron: cron.to_string(),
+        tz: "UTC".to_string(),
+        session: session.clone(),
+        messages: messages.iter().map(|m| m.to_string()).collect(),
+        finalizer: None,
+        overlap: Default::default(),
+        catchup_window: Duration::from_secs(3600),
+        catchup: Default::default(),
+        late_threshold: Duration::from_secs(5),
+        limits: Default::default(),
     }
 }

@@ -1,0 +1,300 @@
+//! The `ts.api.schedules.*` service: add, list, show, pause, resume, trigger, backfill,
+//! delete. Any replica answers; changes are compare-and-set writes, and a bad request gets a
+//! clear error while the service keeps serving (R15).
+
+use std::sync::Arc;
+
+use async_nats::service::ServiceExt;
+use chrono::Utc;
+use futures::TryStreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::api::ApiError;
+use turnstile_shared::records::SessionRecord;
+use turnstile_shared::runs::RunRecord;
+use turnstile_shared::schedules::{
+    valid_name, Backfill, ListSchedules, PauseSchedule, Paused, ScheduleRecord, ScheduleRef,
+    ScheduleSpec, ScheduleView, SlotRecord,
+};
+use turnstile_shared::service::serve_endpoint;
+use turnstile_shared::{subjects, RunId};
+
+use crate::cron::CronSpec;
+use crate::ticker::{fire, schedule_event, start_run, update, TickError};
+use crate::{Ctx, Error};
+
+/// Slots a backfill may fire at once.
+const MAX_BACKFILL: usize = 500;
+/// Slot records `show` returns, newest first.
+const SHOW_SLOTS: usize = 20;
+
+pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
+    let service = ctx
+        .client
+        .service_builder()
+        .description(
+            "Turnstile schedules: add, list, show, pause, resume, trigger, backfill, delete",
+        )
+        .start(subjects::api::SCHEDULER_SERVICE, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(Error::Api)?;
+    let group = service.group(subjects::api::SCHEDULES_GROUP);
+    let mut tasks = Vec::new();
+    macro_rules! endpoint {
+        ($verb:literal, $handler:path) => {{
+            let endpoint = group.endpoint($verb).await.map_err(Error::Api)?;
+            tasks.push(tokio::spawn(serve_endpoint(
+                ctx.clone(),
+                endpoint,
+                shutdown.clone(),
+                $handler,
+            )));
+        }};
+    }
+    endpoint!("add", add);
+    endpoint!("list", list);
+    endpoint!("show", show);
+    endpoint!("pause", pause);
+    endpoint!("resume", resume);
+    endpoint!("trigger", trigger);
+    endpoint!("backfill", backfill);
+    endpoint!("delete", delete);
+    futures::future::join_all(tasks).await;
+    let _ = service.stop().await;
+    Ok(())
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::internal(e.to_string())
+}
+
+fn tick(e: TickError) -> ApiError {
+    match e {
+        TickError::Api(e) => e,
+        other => internal(other),
+    }
+}
+
+async fn get(ctx: &Ctx, name: &str) -> Result<ScheduleRecord, ApiError> {
+    ctx.buckets
+        .schedules
+        .get::<ScheduleRecord>(name)
+        .await
+        .map_err(internal)?
+        .map(|(r, _)| r)
+        .ok_or_else(|| ApiError::not_found(format!("no schedule {name:?}")))
+}
+
+fn cron_of(s: &ScheduleSpec) -> Result<CronSpec, ApiError> {
+    CronSpec::parse(&s.cron, &s.tz).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+async fn add(ctx: Arc<Ctx>, spec: ScheduleSpec) -> Result<ScheduleRecord, ApiError> {
+    if !valid_name(&spec.name) {
+        return Err(ApiError::bad_request(format!(
+            "schedule name {:?} must be 1-40 letters, digits, '-' or '_'",
+            spec.name
+        )));
+    }
+    cron_of(&spec)?;
+    if spec.messages.is_empty() || spec.messages.iter().any(|m| m.trim().is_empty()) {
+        return Err(ApiError::bad_request(
+            "a schedule needs at least one non-blank message",
+        ));
+    }
+    if spec.limits.max_rounds == 0 {
+        return Err(ApiError::bad_request("max_rounds must be at least 1"));
+    }
+    let session = ctx
+        .buckets
+        .sessions
+        .get::<SessionRecord>(spec.session.as_str())
+        .await
+        .map_err(internal)?
+        .map(|(r, _)| r)
+        .ok_or_else(|| ApiError::not_found(format!("no session {}", spec.session)))?;
+    if !session.is_active() {
+        return Err(ApiError::new(
+            "stopped",
+            format!("session {} is stopped", session.id),
+        ));
+    }
+    let now = Utc::now();
+    let record = ScheduleRecord {
+        spec: spec.clone(),
+        created_at: now,
+        // Slots before the schedule existed are not its slots.
+        cursor: now,
+        paused: None,
+        last_run: None,
+        buffered: None,
+    };
+    if ctx
+        .buckets
+        .schedules
+        .create(&spec.name, &record)
+        .await
+        .map_err(internal)?
+        .is_none()
+    {
+        return Err(ApiError::new(
+            "exists",
+            format!("schedule {:?} exists", spec.name),
+        ));
+    }
+    schedule_event(&ctx, &spec.name, "schedule.added", json!(record)).await;
+    Ok(record)
+}
+
+async fn list(ctx: Arc<Ctx>, _req: ListSchedules) -> Result<Vec<ScheduleRecord>, ApiError> {
+    let mut all = ctx
+        .buckets
+        .schedules
+        .values::<ScheduleRecord>()
+        .await
+        .map_err(internal)?;
+    all.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+    Ok(all)
+}
+
+async fn show(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleView, ApiError> {
+    let schedule = get(&ctx, &req.name).await?;
+    let cron = cron_of(&schedule.spec)?;
+    let zone = cron.zone();
+    let next = cron
+        .upcoming(Utc::now(), 5)
+        .into_iter()
+        .map(|t| t.with_timezone(&zone).to_rfc3339())
+        .collect();
+    let slots = slots_of(&ctx, &req.name).await?;
+    Ok(ScheduleView {
+        schedule,
+        next,
+        slots,
+    })
+}
+
+/// The schedule's latest slot records (a scan of the keys under its name).
+async fn slots_of(ctx: &Ctx, name: &str) -> Result<Vec<SlotRecord>, ApiError> {
+    let prefix = format!("{name}.");
+    let keys: Vec<String> = ctx
+        .buckets
+        .slots
+        .store()
+        .keys()
+        .await
+        .map_err(internal)?
+        .try_collect()
+        .await
+        .map_err(internal)?;
+    let mut out = Vec::new();
+    for k in keys.iter().filter(|k| k.starts_with(&prefix)) {
+        if let Some((r, _)) = ctx
+            .buckets
+            .slots
+            .get::<SlotRecord>(k)
+            .await
+            .map_err(internal)?
+        {
+            out.push(r);
+        }
+    }
+    out.sort_by_key(|r| std::cmp::Reverse(r.slot));
+    out.truncate(SHOW_SLOTS);
+    Ok(out)
+}
+
+async fn pause(ctx: Arc<Ctx>, req: PauseSchedule) -> Result<ScheduleRecord, ApiError> {
+    get(&ctx, &req.name).await?;
+    let at = Utc::now();
+    let rec = update(&ctx, &req.name, |r| {
+        if r.paused.is_none() {
+            r.paused = Some(Paused {
+                at,
+                note: req.note.clone(),
+            });
+        }
+    })
+    .await
+    .map_err(tick)?;
+    schedule_event(
+        &ctx,
+        &req.name,
+        "schedule.paused",
+        json!({ "note": req.note }),
+    )
+    .await;
+    Ok(rec)
+}
+
+async fn resume(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleRecord, ApiError> {
+    get(&ctx, &req.name).await?;
+    let rec = update(&ctx, &req.name, |r| r.paused = None)
+        .await
+        .map_err(tick)?;
+    schedule_event(&ctx, &req.name, "schedule.resumed", json!({})).await;
+    Ok(rec)
+}
+
+/// Fires the schedule now, outside its slots: a run is queued on the session's lane (where it
+/// waits behind anything running). It becomes the run later slots are judged against.
+async fn trigger(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<RunRecord, ApiError> {
+    let s = get(&ctx, &req.name).await?;
+    let run = RunId::new();
+    let rec = start_run(&ctx, &s, run.clone()).await.map_err(tick)?;
+    update(&ctx, &req.name, |r| r.last_run = Some(run.clone()))
+        .await
+        .map_err(tick)?;
+    schedule_event(&ctx, &req.name, "schedule.triggered", json!({ "run": run })).await;
+    Ok(rec)
+}
+
+/// Fires every slot in (from, to] that has no record yet (each queued on the lane in order).
+async fn backfill(ctx: Arc<Ctx>, req: Backfill) -> Result<Vec<SlotRecord>, ApiError> {
+    if req.to <= req.from {
+        return Err(ApiError::bad_request("backfill needs --from before --to"));
+    }
+    let s = get(&ctx, &req.name).await?;
+    let cron = cron_of(&s.spec)?;
+    let slots = cron.slots_between(req.from, req.to, MAX_BACKFILL + 1);
+    if slots.len() > MAX_BACKFILL {
+        return Err(ApiError::bad_request(format!(
+            "more than {MAX_BACKFILL} slots in that range; backfill a shorter one"
+        )));
+    }
+    let mut out = Vec::new();
+    for slot in slots {
+        let key = turnstile_shared::schedules::slot_key(&s.spec.name, slot);
+        let existing = ctx
+            .buckets
+            .slots
+            .get::<SlotRecord>(&key)
+            .await
+            .map_err(internal)?;
+        if existing.is_none() {
+            fire(&ctx, &s, slot, Utc::now()).await.map_err(tick)?;
+        }
+        if let Some((r, _)) = ctx
+            .buckets
+            .slots
+            .get::<SlotRecord>(&key)
+            .await
+            .map_err(internal)?
+        {
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+async fn delete(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleRecord, ApiError> {
+    let s = get(&ctx, &req.name).await?;
+    ctx.buckets
+        .schedules
+        .store()
+        .delete(&req.name)
+        .await
+        .map_err(internal)?;
+    schedule_event(&ctx, &req.name, "schedule.deleted", json!({})).await;
+    Ok(s)
+}

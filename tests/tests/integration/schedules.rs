@@ -1,0 +1,183 @@
+//! Schedules fire every slot exactly once with an honest record (R11), and their runs finish
+//! what they start (R5).
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use turnstile_shared::runs::RunState;
+use turnstile_shared::schedules::{Overlap, SlotOutcome};
+
+use crate::stack::{listed_steps, report, schedule, Stack};
+
+/// Issue 4, acceptance 2 (seed 001 / PLAT-113): a schedule firing every 20 s whose runs each
+/// start several background steps during a long turn. Three consecutive slots all fire, none
+/// is skipped, no run hits idle_timeout, and each run hands its results over in one batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_consecutive_slots_fire_and_each_run_hands_over_once() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = three_slots(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn three_slots(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("social-media", None).await?;
+    let message = "daily execution\n!step a 1s --scope run\n!step b 2s --scope run\n!step c 3s --scope run\n!sleep 8s";
+    stack
+        .add_schedule(&schedule("daily-x3", "*/20 * * * * *", &s, &[message]))
+        .await?;
+    let slots = stack
+        .wait_slots("daily-x3", 3, Duration::from_secs(80))
+        .await?;
+    let first3 = &slots[..3];
+    let mut runs = Vec::new();
+    for slot in first3 {
+        match &slot.outcome {
+            SlotOutcome::Fired { run, late, .. } => {
+                ensure!(!late, "slot {} fired late", slot.slot);
+                runs.push(run.clone());
+            }
+            other => anyhow::bail!("slot {} was {other:?}, not fired", slot.slot),
+        }
+    }
+    for pair in first3.windows(2) {
+        ensure!(
+            (pair[1].slot - pair[0].slot).num_seconds() == 20,
+            "consecutive slots"
+        );
+    }
+    for run in &runs {
+        let done = stack.wait_run(run, Duration::from_secs(40)).await?;
+        ensure!(
+            matches!(done.state, RunState::Completed { .. }),
+            "run {run}: {:?}",
+            done.state
+        );
+        // The message turn, then ONE hand-over carrying all three results.
+        ensure!(done.rounds() == 2, "run {run}: {} rounds", done.rounds());
+        let handover = done.progress[0].turns[1].clone();
+        let rec = stack.turn(&handover).await?.context("hand-over turn")?;
+        ensure!(
+            listed_steps(&rec.text).len() == 3,
+            "one batch of three: {}",
+            rec.text
+        );
+    }
+    Ok(())
+}
+
+/// Issue 4, acceptance 3: overlap `skip` with a run longer than the period records `skipped`
+/// slots naming the running run; `buffer_one` runs exactly one buffered slot afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_slots_skip_or_buffer_one() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = overlap(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn overlap(stack: &mut Stack) -> Result<()> {
+    let s1 = stack.create_session("skipper", None).await?;
+    let s2 = stack.create_session("buffer", None).await?;
+    let long = "a long run\n!sleep 7s";
+    stack
+        .add_schedule(&schedule("skip-me", "*/3 * * * * *", &s1, &[long]))
+        .await?;
+    let mut buffered = schedule("buffer-me", "*/3 * * * * *", &s2, &[long]);
+    buffered.overlap = Overlap::BufferOne;
+    stack.add_schedule(&buffered).await?;
+
+    // skip: the first slot fires; the next ones, while its run goes, name it.
+    let slots = stack
+        .wait_slots("skip-me", 3, Duration::from_secs(30))
+        .await?;
+    let SlotOutcome::Fired { run: first, .. } = &slots[0].outcome else {
+        anyhow::bail!("first slot: {:?}", slots[0].outcome);
+    };
+    for s in &slots[1..3] {
+        match &s.outcome {
+            SlotOutcome::Skipped { reason, yielded_to } => {
+                ensure!(reason == "overlap", "{reason}");
+                ensure!(yielded_to.as_ref() == Some(first), "names the running run");
+            }
+            other => anyhow::bail!("slot {}: {other:?}", s.slot),
+        }
+    }
+
+    // buffer_one: fired, then one slot held (fired once the run ends), the rest skipped.
+    let first_run = stack
+        .wait_slots("buffer-me", 1, Duration::from_secs(30))
+        .await?
+        .into_iter()
+        .find_map(|s| match s.outcome {
+            SlotOutcome::Fired { run, .. } => Some(run),
+            _ => None,
+        })
+        .context("first buffer-me slot fired")?;
+    let done = stack.wait_run(&first_run, Duration::from_secs(30)).await?;
+    ensure!(
+        matches!(done.state, RunState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
+    let slots = turnstile_tests::wait_until(
+        "the buffered slot to fire",
+        Duration::from_secs(20),
+        || async {
+            let s = stack.slots("buffer-me").await?;
+            let fired = s
+                .iter()
+                .filter(|r| matches!(r.outcome, SlotOutcome::Fired { .. }))
+                .count();
+            Ok((fired >= 2).then_some(s))
+        },
+    )
+    .await?;
+    // Stop both schedules before judging, so no new slots race the checks.
+    for name in ["skip-me", "buffer-me"] {
+        let _: turnstile_shared::schedules::ScheduleRecord = turnstile_shared::api::call(
+            &stack.client,
+            turnstile_shared::subjects::api::SCHEDULES_DELETE,
+            &turnstile_shared::schedules::ScheduleRef { name: name.into() },
+            crate::stack::API,
+        )
+        .await?;
+    }
+    let fired: Vec<_> = slots
+        .iter()
+        .filter(|r| matches!(r.outcome, SlotOutcome::Fired { .. }))
+        .collect();
+    ensure!(
+        fired.len() == 2,
+        "the first run and exactly one buffered slot: {slots:?}"
+    );
+    let SlotOutcome::Fired {
+        late,
+        drift_ms,
+        run: second,
+        ..
+    } = &fired[1].outcome
+    else {
+        unreachable!("filtered to fired")
+    };
+    ensure!(
+        *late && *drift_ms > 3000,
+        "the buffered slot fired late, when the run ended"
+    );
+    ensure!(
+        slots
+            .iter()
+            .filter(|r| r.slot > fired[0].slot && r.slot < done_end(&done))
+            .filter(|r| matches!(&r.outcome, SlotOutcome::Skipped { reason, .. } if reason == "buffer_full"))
+            .count()
+            >= 1,
+        "slots beyond the one buffered were skipped: {slots:?}"
+    );
+    stack.wait_run(second, Duration::from_secs(30)).await?;
+    Ok(())
+}
+
+fn done_end(run: &turnstile_shared::runs::RunRecord) -> chrono::DateTime<chrono::Utc> {
+    match &run.state {
+        RunState::Completed { ended_at, .. } | RunState::Failed { ended_at, .. } => *ended_at,
+        _ => chrono::Utc::now(),
+    }
+}
