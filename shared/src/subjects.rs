@@ -135,6 +135,12 @@ pub const BROKER_TURNS_CONSUMER: &str = "broker_turns";
 /// Where the broker keeps an unreadable execution end.
 pub const BROKER_DEADLETTER: &str = "ts.dlq.broker.ended";
 
+/// Core NATS (no stream): a sign of life of work owned by or watched from `session` (a step
+/// heartbeat). Runs count it as progress (R10); nothing keeps it.
+pub fn progress(session: &SessionId) -> String {
+    format!("ts.control.progress.{session}")
+}
+
 /// Request/reply APIs (NATS services), `ts.api.<area>.<verb>`.
 pub mod api {
     pub const SESSION_SERVICE: &str = "turnstile-session-lane";

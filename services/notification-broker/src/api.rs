@@ -427,6 +427,14 @@ async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, Api
         })
         .await
         .map_err(internal)?;
+    // Progress for a run waiting on this step (R10): core NATS, nothing kept.
+    let payload = serde_json::to_vec(&json!({ "execution": record.id })).unwrap_or_default();
+    for s in std::iter::once(&record.session).chain(record.targets().iter()) {
+        let _ = ctx
+            .client
+            .publish(subjects::progress(s), payload.clone().into())
+            .await;
+    }
     Ok(next.map_or(
         ReportAck {
             status: "unknown".into(),

@@ -444,7 +444,11 @@ impl Driver<'_> {
         let mut events = match self
             .ctx
             .client
-            .subscribe(format!("ts.events.session.{}.step.>", self.session.id))
+            .subscribe(subjects::event(
+                "session",
+                self.session.id.as_str(),
+                "step.>",
+            ))
             .await
         {
             Ok(s) => Some(s),
@@ -453,6 +457,13 @@ impl Driver<'_> {
                 None
             }
         };
+        // Step heartbeats are progress too (R10).
+        let mut beats = self
+            .ctx
+            .client
+            .subscribe(subjects::progress(&self.session.id))
+            .await
+            .ok();
         let mut last_progress = tokio::time::Instant::now();
         let id = ExecutionId::from(turn);
         loop {
@@ -480,6 +491,9 @@ impl Driver<'_> {
                 biased;
                 _ = self.cancel.cancelled() => return Ok(Wait::Cancelled),
                 Some(_) = async { match events.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
+                    last_progress = tokio::time::Instant::now();
+                }
+                Some(_) = async { match beats.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
                     last_progress = tokio::time::Instant::now();
                 }
                 _ = tokio::time::sleep(RECHECK) => {}

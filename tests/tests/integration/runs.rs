@@ -67,3 +67,149 @@ async fn twelve_groups(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// R5, R10, R12: the run's bounds end it `failed` with a named reason; step heartbeats count as
+/// progress, a step nobody works on does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_bounds_fail_with_named_reasons_and_heartbeats_are_progress() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = bounds(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn bounds(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::execution::Scope;
+    use turnstile_shared::runs::RunLimits;
+    use turnstile_shared::step_api::{StartStep, StepKind};
+
+    // max_rounds: five groups need six rounds; three are allowed.
+    let s = stack.create_session("bounded", None).await?;
+    let limits = RunLimits {
+        max_rounds: 3,
+        ..Default::default()
+    };
+    let run = stack
+        .start_run_with(&s, &["!groups 5 200ms"], None, limits)
+        .await?;
+    let done = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    match &done.state {
+        RunState::Failed {
+            reason,
+            message_index,
+            ..
+        } => {
+            ensure!(reason == "max_rounds", "{reason}");
+            ensure!(*message_index == 0);
+        }
+        other => anyhow::bail!("a run over max_rounds ended {other:?}"),
+    }
+    ensure!(
+        done.rounds() == 3,
+        "stopped at the bound: {}",
+        done.rounds()
+    );
+
+    // A 5 s step with a 2 s idle timeout: its heartbeats keep the run alive.
+    let limits = RunLimits {
+        idle_timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let run = stack
+        .start_run_with(&s, &["!step slow 5s --scope run"], None, limits)
+        .await?;
+    let done = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    ensure!(
+        matches!(done.state, RunState::Completed { .. }),
+        "heartbeats are progress: {:?}",
+        done.state
+    );
+
+    // An external step no worker takes: nothing progresses, the run fails idle_timeout.
+    let run = stack
+        .start_run_with(&s, &["hold on\n!sleep 2s"], None, limits)
+        .await?;
+    let first_turn = run.id.turn(0, 0);
+    stack.wait_running(&first_turn).await?;
+    let step = stack
+        .start_step(&StartStep {
+            caller: stack.caller(&s).await?,
+            name: "orphan".into(),
+            scope: Scope::Run,
+            work: StepKind::External {
+                queue: "nobody-serves-this".into(),
+                input: serde_json::Value::Null,
+            },
+            id: None,
+        })
+        .await?;
+    ensure!(
+        step.parent.as_ref().map(|p| p.as_str()) == Some(first_turn.as_str()),
+        "a step started during a run's turn is that turn's child (R6)"
+    );
+    let done = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    match &done.state {
+        RunState::Failed {
+            reason, execution, ..
+        } => {
+            ensure!(reason == "idle_timeout", "{reason}");
+            ensure!(execution.as_ref().map(|e| e.as_str()) == Some(first_turn.as_str()));
+        }
+        other => anyhow::bail!("expected idle_timeout, got {other:?}"),
+    }
+    // Nothing lingers after a failed run (R13).
+    let view = stack.show(&s).await?;
+    ensure!(!view.busy, "idle after the failed run");
+    Ok(())
+}
+
+/// R14: the session-lane replica is SIGKILLed mid-run; another continues the same run without
+/// re-sending a delivered message or re-running a finished step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_survives_its_lane_replica_being_killed() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = lane_killed_mid_run(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn lane_killed_mid_run(stack: &mut Stack) -> Result<()> {
+    use anyhow::Context;
+    let s = stack.create_session("resumed", None).await?;
+    let run = stack
+        .start_run(&s, &["four groups\n!groups 4 1s"], Some("wrap up"))
+        .await?;
+    // Kill the replica while the run waits for group 2.
+    let second = run.id.turn(0, 1);
+    stack.wait_running(&second).await?;
+    stack.lanes.get_mut("a").context("a")?.kill().await?;
+    stack.spawn_lane("a2")?;
+    let done = stack.wait_run(&run.id, Duration::from_secs(90)).await?;
+    ensure!(
+        matches!(done.state, RunState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
+    ensure!(
+        done.rounds() == 6,
+        "5 rounds + the finalizer: {}",
+        done.rounds()
+    );
+    let transcript = stack.transcript(&s).await?;
+    ensure!(
+        transcript.len() == 6,
+        "each message typed once: {transcript:?}"
+    );
+    let handed: Vec<String> = transcript.iter().flat_map(|m| listed_steps(m)).collect();
+    let mut unique = handed.clone();
+    unique.sort();
+    unique.dedup();
+    ensure!(
+        handed.len() == 4 && unique.len() == 4,
+        "each group handed over once: {handed:?}"
+    );
+    // No step was run twice (a second attempt would fail it `worker_lost`).
+    for id in &unique {
+        let exec = stack.exec(&id.parse()?).await?.context("step")?;
+        ensure!(exec.status.name() == "completed", "{id}: {:?}", exec.status);
+    }
+    Ok(())
+}

@@ -617,11 +617,22 @@ impl Stack {
         messages: &[&str],
         finalizer: Option<&str>,
     ) -> Result<turnstile_shared::runs::RunRecord> {
+        self.start_run_with(session, messages, finalizer, Default::default())
+            .await
+    }
+
+    pub async fn start_run_with(
+        &self,
+        session: &SessionId,
+        messages: &[&str],
+        finalizer: Option<&str>,
+        limits: turnstile_shared::runs::RunLimits,
+    ) -> Result<turnstile_shared::runs::RunRecord> {
         let req = turnstile_shared::runs::StartRun {
             session: session.clone(),
             messages: messages.iter().map(|m| m.to_string()).collect(),
             finalizer: finalizer.map(str::to_string),
-            limits: Default::default(),
+            limits,
             schedule: None,
             id: None,
         };
