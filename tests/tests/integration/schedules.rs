@@ -83,6 +83,7 @@ async fn overlap(stack: &mut Stack) -> Result<()> {
         .await?;
     let mut buffered = schedule("buffer-me", "*/3 * * * * *", &s2, &[long]);
     buffered.overlap = Overlap::BufferOne;
+    buffered.late_threshold = Duration::from_secs(1);
     stack.add_schedule(&buffered).await?;
 
     // skip: the first slot fires; the next ones, while its run goes, name it.
