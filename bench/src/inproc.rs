@@ -73,6 +73,7 @@ pub async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Ve
             name: format!("bench-{i}"),
             host: None,
             cwd: None,
+            id: None,
         };
         let mut tries = 0;
         let rec = loop {

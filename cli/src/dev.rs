@@ -130,6 +130,7 @@ async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
         name: "demo".into(),
         host: None,
         cwd: None,
+        id: None,
     };
     // The transport's first heartbeat may not be in yet.
     let mut session: Option<SessionRecord> = None;

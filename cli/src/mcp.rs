@@ -250,6 +250,38 @@ impl<B: Backend> Server<B> {
                     pretty(&rec.redacted())
                 ))
             }
+            "start_agent" => {
+                allow_only(args, &["name", "prompt", "scope"])?;
+                let text = |key: &str| -> Result<Option<String>, String> {
+                    match args.get(key) {
+                        None | Some(Value::Null) => Ok(None),
+                        Some(Value::String(s)) if !s.trim().is_empty() => Ok(Some(s.clone())),
+                        Some(_) => Err(format!("`{key}` must be a non-empty string")),
+                    }
+                };
+                let name = text("name")?.ok_or("`name` is required (a non-empty string)")?;
+                let prompt = text("prompt")?.ok_or("`prompt` is required (a non-empty string)")?;
+                let scope: Scope = text("scope")?
+                    .as_deref()
+                    .unwrap_or("turn")
+                    .parse()
+                    .map_err(|e| format!("bad `scope`: {e}"))?;
+                let req = StartStep {
+                    caller,
+                    name,
+                    scope,
+                    work: StepKind::Agent { prompt },
+                    id: Some(StepId::new()),
+                };
+                let rec: ExecutionRecord = self.api(subj::STEPS_START, &req).await?;
+                Ok(format!(
+                    "started background agent {} ({}); its final reply is delivered to this \
+                     conversation once everything it started is done\n{}",
+                    rec.id,
+                    rec.name,
+                    pretty(&rec.redacted())
+                ))
+            }
             "step_status" => {
                 allow_only(args, &["id"])?;
                 let id = args
@@ -429,6 +461,24 @@ fn tools() -> Value {
             }
         },
         {
+            "name": "start_agent",
+            "description": "Start a background agent: a new session of the same agent on this \
+                host works on the prompt until everything it started is done and handed back \
+                to it; its final reply then arrives in this conversation as a message.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "description": "A short label for the agent."},
+                    "prompt": {"type": "string", "description": "What the agent should do."},
+                    "scope": {
+                        "type": "string", "enum": ["turn", "run", "detached"], "default": "turn"
+                    }
+                },
+                "required": ["name", "prompt"],
+                "additionalProperties": false
+            }
+        },
+        {
             "name": "step_status",
             "description": "The current record of one step you own or watch.",
             "inputSchema": {
@@ -543,9 +593,16 @@ mod tests {
         .await;
         let tools = r["result"]["tools"].as_array().expect("tools");
         let names: Vec<&str> = tools.iter().filter_map(|t| t["name"].as_str()).collect();
-        assert_eq!(names, ["start_step", "step_status", "list_steps"]);
+        assert_eq!(
+            names,
+            ["start_step", "start_agent", "step_status", "list_steps"]
+        );
         assert_eq!(tools[0]["inputSchema"]["required"], json!(["name"]));
-        assert_eq!(tools[1]["inputSchema"]["required"], json!(["id"]));
+        assert_eq!(
+            tools[1]["inputSchema"]["required"],
+            json!(["name", "prompt"])
+        );
+        assert_eq!(tools[2]["inputSchema"]["required"], json!(["id"]));
         assert!(tools.iter().all(|t| t["inputSchema"]["type"] == "object"));
     }
 

@@ -78,6 +78,7 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
                 name,
                 host,
                 cwd: cwd.map(|p| p.to_string_lossy().into_owned()),
+                id: None,
             };
             let rec: SessionRecord =
                 api::call(&client, subj::SESSION_CREATE, &req, API_TIMEOUT).await?;

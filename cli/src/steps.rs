@@ -28,9 +28,13 @@ pub enum StepCommand {
         /// `turn` (dies with the turn), `run` (lives until its run ends) or `detached`.
         #[arg(long, default_value = "turn")]
         scope: Scope,
-        /// `command` (run CMD on the session's host) or `external` (for a worker on --queue).
+        /// `command` (run CMD on the session's host), `external` (for a worker on --queue) or
+        /// `agent` (a background agent working on --prompt).
         #[arg(long, default_value = "command")]
         kind: String,
+        /// What an `agent` step should do.
+        #[arg(long)]
+        prompt: Option<String>,
         /// The `external` work queue.
         #[arg(long)]
         queue: Option<String>,
@@ -91,6 +95,7 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
             name,
             scope,
             kind,
+            prompt,
             queue,
             input,
             count,
@@ -114,7 +119,12 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
                         None => serde_json::Value::Null,
                     },
                 },
-                other => anyhow::bail!("unknown step kind {other:?} (known: command, external)"),
+                "agent" => StepKind::Agent {
+                    prompt: prompt.context("an agent step needs --prompt")?,
+                },
+                other => {
+                    anyhow::bail!("unknown step kind {other:?} (known: command, external, agent)")
+                }
             };
             let caller = caller()?;
             let names: Vec<String> = if count == 1 {

@@ -59,7 +59,7 @@ pub async fn run(
         };
         let input = match &item.work {
             StepWork::External { input, .. } => input.clone(),
-            StepWork::Command { .. } => serde_json::Value::Null,
+            StepWork::Command { .. } | StepWork::Agent { .. } => serde_json::Value::Null,
         };
         let started = report(
             &client,

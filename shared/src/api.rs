@@ -17,6 +17,10 @@ pub struct CreateSession {
     pub host: Option<HostName>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
+    /// Chosen by a client that wants to retry safely: a second create with the same id and
+    /// name returns the session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<SessionId>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

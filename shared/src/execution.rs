@@ -72,6 +72,9 @@ pub enum StepWork {
         #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
         input: serde_json::Value,
     },
+    /// A background agent on `host`: its own session (id derived from the step) runs `prompt`
+    /// as a run (id derived from the step).
+    Agent { prompt: String, host: HostName },
 }
 
 /// What a finished step produced: exit status (commands) and the tail of its output.
@@ -206,6 +209,38 @@ pub struct ExecutionRecord {
     pub children: Vec<ExecutionId>,
     #[serde(flatten)]
     pub status: ExecStatus,
+}
+
+/// A background agent's session and run, derived from its step so every retry finds them.
+pub fn agent_session(step: &crate::ids::StepId) -> Option<SessionId> {
+    format!(
+        "{}{}",
+        SessionId::PREFIX,
+        &step.as_str()[crate::ids::StepId::PREFIX.len()..]
+    )
+    .parse()
+    .ok()
+}
+
+pub fn agent_run(step: &crate::ids::StepId) -> Option<crate::ids::RunId> {
+    format!(
+        "{}{}",
+        crate::ids::RunId::PREFIX,
+        &step.as_str()[crate::ids::StepId::PREFIX.len()..]
+    )
+    .parse()
+    .ok()
+}
+
+/// The step a background agent's run belongs to, if the run is one.
+pub fn agent_step_of(run: &crate::ids::RunId) -> Option<crate::ids::StepId> {
+    format!(
+        "{}{}",
+        crate::ids::StepId::PREFIX,
+        &run.as_str()[crate::ids::RunId::PREFIX.len()..]
+    )
+    .parse()
+    .ok()
 }
 
 impl ExecutionRecord {

@@ -63,6 +63,9 @@ pub enum StepKind {
         #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
         input: serde_json::Value,
     },
+    /// A background agent: a new session on the caller's host runs `prompt` as a run (R5);
+    /// the step completes with its final reply once everything it started is handed back.
+    Agent { prompt: String },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

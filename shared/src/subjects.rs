@@ -118,6 +118,16 @@ pub fn step_ended(execution: &ExecutionId) -> String {
 }
 
 pub const STEP_ENDED_ALL: &str = "ts.step.ended.*";
+
+/// Background-agent steps, for the broker to launch (a session and a run each).
+pub const STEP_AGENT: &str = "ts.step.agent";
+pub const BROKER_AGENTS_CONSUMER: &str = "broker_agents";
+/// The broker follows run ends to finish background-agent steps.
+pub const RUN_ENDS: [&str; 2] = [
+    "ts.events.session.*.run.completed",
+    "ts.events.session.*.run.failed",
+];
+pub const BROKER_RUN_ENDS_CONSUMER: &str = "broker_run_ends";
 pub const BROKER_ENDED_CONSUMER: &str = "broker_ended";
 
 /// Core NATS (not captured by any stream): tells a step's worker to stop now. Workers also

@@ -303,6 +303,33 @@ pub async fn ensure_ended_consumer(
     create_consumer(js, subjects::STEP_STREAM, &name, config).await
 }
 
+/// The broker's queue of background agents to launch.
+pub async fn ensure_agents_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = subjects::BROKER_AGENTS_CONSUMER.to_string();
+    step_work_consumer(js, cfg, name, subjects::STEP_AGENT.to_string()).await
+}
+
+/// The broker's view of run ends (to finish background-agent steps), from the event stream.
+pub async fn ensure_run_ends_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = subjects::BROKER_RUN_ENDS_CONSUMER.to_string();
+    let config = consumer::pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subjects: subjects::RUN_ENDS.iter().map(|s| s.to_string()).collect(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: cfg.transport_ack_wait,
+        max_ack_pending: 1_000,
+        max_deliver: -1,
+        ..Default::default()
+    };
+    create_consumer(js, subjects::EVENTS_STREAM, &name, config).await
+}
+
 /// The broker's durable view of every turn record change (mirror and R7 on turn end).
 pub async fn ensure_turns_mirror_consumer(
     js: &jetstream::Context,

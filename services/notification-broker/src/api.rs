@@ -163,6 +163,13 @@ fn validate(req: &StartStep) -> Result<(), ApiError> {
                 )));
             }
         }
+        StepKind::Agent { prompt } => {
+            if prompt.trim().is_empty() || prompt.len() > MAX_ARGV {
+                return Err(ApiError::bad_request(format!(
+                    "an agent step needs a prompt of 1-{MAX_ARGV} bytes"
+                )));
+            }
+        }
     }
     Ok(())
 }
@@ -192,6 +199,10 @@ async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiErro
         StepKind::External { queue, input } => StepWork::External {
             queue: queue.clone(),
             input: input.clone(),
+        },
+        StepKind::Agent { prompt } => StepWork::Agent {
+            prompt: prompt.clone(),
+            host: placement.session.host.clone(),
         },
     };
     let record = ExecutionRecord {
@@ -236,6 +247,7 @@ async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiErro
     let subject = match &work {
         StepWork::Command { host, .. } => subjects::step_command(host),
         StepWork::External { queue, .. } => subjects::step_external(queue),
+        StepWork::Agent { .. } => subjects::STEP_AGENT.to_string(),
     };
     let env = item.envelope().map_err(internal)?;
     events::publish_durable(&ctx.js, subject, &env, None)

@@ -2,6 +2,7 @@
 //! tool calls use (authenticated by session or step token), completion routing to owners and
 //! watchers (R8), delivery arming (R3) and cancellation by ownership (R7).
 
+mod agents;
 mod api;
 mod auth;
 mod ended;
@@ -85,10 +86,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         parent_locks: Default::default(),
     });
     tracing::info!(replica = %config.replica, "notification-broker running");
-    let (api, (), ()) = tokio::join!(
+    let (api, (), (), ()) = tokio::join!(
         api::serve(ctx.clone(), shutdown.clone()),
         ended::run(ctx.clone(), shutdown.clone()),
         turns::run(ctx.clone(), shutdown.clone()),
+        agents::run(ctx.clone(), shutdown.clone()),
     );
     let _ = ctx.client.drain().await;
     api

@@ -123,9 +123,25 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
             "session name must be 1-128 characters",
         ));
     }
+    if let Some(id) = &req.id {
+        if let Some((existing, _)) = ctx
+            .buckets
+            .sessions
+            .get::<SessionRecord>(id.as_str())
+            .await
+            .map_err(internal)?
+        {
+            if existing.name == name {
+                return Ok(existing.redacted());
+            }
+            return Err(ApiError::bad_request(format!(
+                "session {id} exists under another name"
+            )));
+        }
+    }
     let host = place(&ctx, req.host).await?;
     let record = SessionRecord {
-        id: SessionId::new(),
+        id: req.id.clone().unwrap_or_default(),
         name: name.to_string(),
         agent: req.agent,
         host: host.clone(),

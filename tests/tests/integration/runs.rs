@@ -213,3 +213,76 @@ async fn lane_killed_mid_run(stack: &mut Stack) -> Result<()> {
     }
     Ok(())
 }
+
+/// Issue 4, background agents: step kind `agent` runs its prompt in a new session on the
+/// parent's host as a run (R5), completes with the agent's final reply only after the steps it
+/// started are done and handed back to it, and its completion reaches the owner session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_agent_finishes_its_own_work_before_reporting() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = background_agent(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn background_agent(stack: &mut Stack) -> Result<()> {
+    use anyhow::Context;
+    use turnstile_shared::execution::{agent_run, agent_session, Scope};
+    use turnstile_shared::step_api::{StartStep, StepKind};
+
+    let owner = stack.create_session("owner", None).await?;
+    let turn = stack.send(&owner, "delegate the groups\n!sleep 3s").await?;
+    stack.wait_running(&turn).await?;
+    let step = stack
+        .start_step(&StartStep {
+            caller: stack.caller(&owner).await?,
+            name: "helper".into(),
+            scope: Scope::Run,
+            work: StepKind::Agent {
+                prompt: "two groups in the background\n!groups 2 300ms".into(),
+            },
+            id: None,
+        })
+        .await?;
+    let step_id = step.id.as_step().context("a step id")?;
+    let done = stack
+        .wait_exec(&step.id, Duration::from_secs(60), |r| {
+            r.status.is_terminal()
+        })
+        .await?;
+    ensure!(done.status.name() == "completed", "{:?}", done.status);
+    // The agent's own run did all its work first: its message and two hand-overs.
+    let run = agent_run(&step_id).context("run id")?;
+    let run = stack.wait_run(&run, Duration::from_secs(10)).await?;
+    ensure!(
+        matches!(run.state, RunState::Completed { .. }),
+        "{:?}",
+        run.state
+    );
+    ensure!(run.rounds() == 3, "agent rounds: {}", run.rounds());
+    let agent = agent_session(&step_id).context("session id")?;
+    let agent_transcript = stack.transcript(&agent).await?;
+    ensure!(agent_transcript.len() == 3, "{agent_transcript:?}");
+    ensure!(
+        !done.status.summary().is_empty(),
+        "the step carries the agent's final reply"
+    );
+    // The owner session gets the agent's completion, once.
+    let deliveries =
+        crate::stack::wait_deliveries(stack, &owner, 1, Duration::from_secs(30)).await?;
+    let listed: Vec<String> = deliveries
+        .iter()
+        .flat_map(|d| listed_steps(&d.text))
+        .collect();
+    ensure!(
+        listed.iter().filter(|s| **s == step.id.to_string()).count() == 1,
+        "{listed:?}"
+    );
+    // The agent's session ends with its work (R13).
+    turnstile_tests::wait_until(
+        "the agent session to stop",
+        Duration::from_secs(20),
+        || async { Ok((!stack.session_record(&agent).await?.is_active()).then_some(())) },
+    )
+    .await?;
+    Ok(())
+}

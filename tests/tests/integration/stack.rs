@@ -175,6 +175,7 @@ impl Stack {
             name: name.to_string(),
             host: host.map(|h| h.parse()).transpose()?,
             cwd: None,
+            id: None,
         };
         let rec: SessionRecord = wait_until("session create", Duration::from_secs(20), || {
             let req = req.clone();
