@@ -76,6 +76,13 @@ pub enum RunCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Cancel a run: a queued one ends at once; a running one after its turn in flight, with
+    /// the work it owns cancelled. Ends `failed: cancelled`.
+    Cancel {
+        id: RunId,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub async fn run(url: &str, cmd: RunCommand) -> anyhow::Result<ExitCode> {
@@ -106,6 +113,23 @@ pub async fn run(url: &str, cmd: RunCommand) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string(&rec)?);
             } else {
                 print_run(&rec);
+            }
+        }
+        RunCommand::Cancel { id, json } => {
+            let rec: RunRecord =
+                api::call(&client, subj::RUNS_CANCEL, &RunRef { run: id }, API_TIMEOUT).await?;
+            if json {
+                println!("{}", serde_json::to_string(&rec)?);
+            } else {
+                println!(
+                    "{} {}",
+                    rec.id,
+                    if rec.state.is_terminal() {
+                        "cancelled"
+                    } else {
+                        "cancelling (stops after its turn in flight)"
+                    }
+                );
             }
         }
         RunCommand::List { schedule, json } => {
@@ -389,6 +413,7 @@ mod tests {
                 turns: vec![RunId::new().turn(0, 0), RunId::new().turn(0, 1)],
                 done: true,
             }],
+            cancel: None,
             state: RunState::Failed {
                 started_at: Some(t),
                 ended_at: t,

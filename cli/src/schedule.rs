@@ -267,6 +267,7 @@ fn overlap_name(o: Overlap) -> &'static str {
         Overlap::Skip => "skip",
         Overlap::BufferOne => "buffer_one",
         Overlap::AllowAll => "allow_all",
+        Overlap::CancelOther => "cancel_other",
     }
 }
 
@@ -444,12 +445,12 @@ mod tests {
             "--message",
             "one",
             "--overlap",
-            "cancel_other",
+            "cancel_everything",
         ])
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-        assert!(err.contains("not supported yet"), "{err}");
+        assert!(err.contains("unknown overlap policy"), "{err}");
     }
 
     #[test]

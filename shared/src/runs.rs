@@ -16,6 +16,8 @@ pub mod run_reason {
     pub const MAX_DURATION: &str = "max_duration";
     pub const IDLE_TIMEOUT: &str = "idle_timeout";
     pub const SESSION_STOPPED: &str = "session_stopped";
+    /// `turnstile run cancel`, or a schedule's `cancel_other` overlap policy.
+    pub const CANCELLED: &str = "cancelled";
 }
 
 /// Ceilings of one run (R5, R10). Durations are whole seconds on the wire.
@@ -92,8 +94,17 @@ pub struct RunRecord {
     /// One entry per message begun (the finalizer last).
     #[serde(default)]
     pub progress: Vec<MessageProgress>,
+    /// Set by a cancel: the run stops at its next boundary (a turn is not interrupted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancel: Option<CancelRequest>,
     #[serde(flatten)]
     pub state: RunState,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CancelRequest {
+    pub at: DateTime<Utc>,
+    pub by: String,
 }
 
 impl RunRecord {

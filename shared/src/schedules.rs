@@ -20,6 +20,8 @@ pub enum Overlap {
     BufferOne,
     /// Fire anyway; the lane still runs one item at a time.
     AllowAll,
+    /// Cancel the running run (it stops at its next boundary, `failed: cancelled`), then fire.
+    CancelOther,
 }
 
 impl std::str::FromStr for Overlap {
@@ -29,12 +31,9 @@ impl std::str::FromStr for Overlap {
             "skip" => Ok(Self::Skip),
             "buffer_one" => Ok(Self::BufferOne),
             "allow_all" => Ok(Self::AllowAll),
-            "cancel_other" => Err(
-                "overlap cancel_other is not supported yet (runs cannot be cancelled yet); use skip, buffer_one or allow_all"
-                    .to_string(),
-            ),
+            "cancel_other" => Ok(Self::CancelOther),
             other => Err(format!(
-                "unknown overlap policy {other:?} (known: skip, buffer_one, allow_all)"
+                "unknown overlap policy {other:?} (known: skip, buffer_one, cancel_other, allow_all)"
             )),
         }
     }
@@ -249,7 +248,8 @@ mod tests {
         assert_eq!(Some(a.clone()), slot_run("daily-report", t));
         assert!(a.as_str().starts_with("run_daily-report-"));
         assert!(valid_name("daily-report") && !valid_name("a.b") && !valid_name(&"x".repeat(41)));
-        assert!("cancel_other".parse::<Overlap>().is_err());
+        assert_eq!("cancel_other".parse::<Overlap>(), Ok(Overlap::CancelOther));
+        assert!("cancel".parse::<Overlap>().is_err());
         let spec: ScheduleSpec = serde_json::from_value(serde_json::json!({
             "name": "n", "cron": "0 * * * *", "tz": "UTC",
             "session": crate::ids::SessionId::new(), "messages": ["hi"]

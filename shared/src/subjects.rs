@@ -151,6 +151,12 @@ pub fn progress(session: &SessionId) -> String {
     format!("ts.control.progress.{session}")
 }
 
+/// Core NATS: tells the replica driving `run` that it was cancelled (it also sees it in the
+/// record at its next boundary).
+pub fn run_cancel(run: &crate::ids::RunId) -> String {
+    format!("ts.control.run.{run}.cancel")
+}
+
 /// Request/reply APIs (NATS services), `ts.api.<area>.<verb>`.
 pub mod api {
     pub const SESSION_SERVICE: &str = "turnstile-session-lane";
@@ -166,6 +172,7 @@ pub mod api {
     pub const RUNS_START: &str = "ts.api.runs.start";
     pub const RUNS_SHOW: &str = "ts.api.runs.show";
     pub const RUNS_LIST: &str = "ts.api.runs.list";
+    pub const RUNS_CANCEL: &str = "ts.api.runs.cancel";
 
     /// Schedules, served by the scheduler.
     pub const SCHEDULER_SERVICE: &str = "turnstile-scheduler";

@@ -19,6 +19,10 @@ pub mod slot_reason {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision {
     Fire,
+    /// `cancel_other`: cancel the running run, then fire.
+    CancelAndFire {
+        cancel: RunId,
+    },
     /// `buffer_one`: held until the running run ends, then fired (and recorded then).
     Buffer,
     Skip {
@@ -104,9 +108,12 @@ pub fn decide(
                 reason: slot_reason::BUFFER_FULL,
                 yielded_to: Some(r.clone()),
             },
+            (Some(r), Overlap::CancelOther) => Decision::CancelAndFire { cancel: r.clone() },
         };
         match &decision {
-            Decision::Fire => running = fired_run(*slot).or(running),
+            Decision::Fire | Decision::CancelAndFire { .. } => {
+                running = fired_run(*slot).or(running)
+            }
             Decision::Buffer => buffered = true,
             _ => {}
         }
@@ -190,6 +197,21 @@ mod tests {
         assert_eq!(d[0], Decision::Buffer);
         assert!(
             matches!(&d[1], Decision::Skip { reason: slot_reason::BUFFER_FULL, yielded_to: Some(r) } if *r == other)
+        );
+        let c = spec(Overlap::CancelOther, Catchup::All);
+        let d = decide(&c, &[t(0), t(60)], &at(61, Some(&other)), run_of);
+        assert_eq!(
+            d[0],
+            Decision::CancelAndFire {
+                cancel: other.clone()
+            }
+        );
+        // The next slot's overlap is with the run the first one fired.
+        assert_eq!(
+            d[1],
+            Decision::CancelAndFire {
+                cancel: run_of(t(0)).expect("id")
+            }
         );
         let a = spec(Overlap::AllowAll, Catchup::All);
         assert_eq!(

@@ -135,6 +135,10 @@ async fn process(
         let mut fired = None;
         match decision {
             Decision::Fire => fired = Some(fire(ctx, &s, *slot, now).await?),
+            Decision::CancelAndFire { cancel } => {
+                cancel_run(ctx, &cancel).await?;
+                fired = Some(fire(ctx, &s, *slot, now).await?);
+            }
             Decision::Buffer => buffer = Some(*slot),
             Decision::Skip { reason, yielded_to } => {
                 let outcome = SlotOutcome::Skipped {
@@ -208,6 +212,13 @@ pub(crate) async fn fire(
         }
         _ => Ok(run),
     }
+}
+
+/// `cancel_other`: the running run stops at its next boundary, `failed: cancelled`.
+async fn cancel_run(ctx: &Ctx, run: &RunId) -> Result<(), TickError> {
+    let req = turnstile_shared::runs::RunRef { run: run.clone() };
+    let _: RunRecord = api::call(&ctx.client, subjects::api::RUNS_CANCEL, &req, API).await?;
+    Ok(())
 }
 
 pub(crate) async fn start_run(

@@ -52,13 +52,14 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     endpoint!("list", list);
     endpoint!("show", show);
     let runs = service.group(subjects::api::RUNS_GROUP);
-    for (verb, which) in [("start", 0), ("show", 1), ("list", 2)] {
+    for (verb, which) in [("start", 0), ("show", 1), ("list", 2), ("cancel", 3)] {
         let endpoint = runs.endpoint(verb).await.map_err(Error::Api)?;
         let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
         use turnstile_shared::service::serve_endpoint as serve;
         tasks.push(match which {
             0 => tokio::spawn(serve(ctx, endpoint, shutdown, start_run)),
             1 => tokio::spawn(serve(ctx, endpoint, shutdown, show_run)),
+            3 => tokio::spawn(serve(ctx, endpoint, shutdown, cancel_run)),
             _ => tokio::spawn(serve(ctx, endpoint, shutdown, list_runs)),
         });
     }
@@ -486,6 +487,7 @@ async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord, ApiError> 
         finalizer: req.finalizer.clone(),
         limits: req.limits,
         progress: Vec::new(),
+        cancel: None,
         state: RunState::Queued,
     };
     let record = match ctx
@@ -557,4 +559,51 @@ async fn list_runs(
     runs.sort_by_key(|r| std::cmp::Reverse(r.created_at));
     runs.truncate(200);
     Ok(runs)
+}
+
+/// Cancels a run: a queued one ends `failed: cancelled` at once; a running one stops at its
+/// next boundary (its turn in flight is not interrupted) and cancels the work it owns.
+async fn cancel_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
+    use turnstile_shared::runs::{run_reason, CancelRequest};
+    let now = Utc::now();
+    let rec = ctx
+        .buckets
+        .runs
+        .modify::<RunRecord, _>(req.run.as_str(), |cur| match cur {
+            Some(r) if r.state.is_terminal() || r.cancel.is_some() => Change::Keep,
+            Some(r) if matches!(r.state, RunState::Queued) => Change::Write(RunRecord {
+                cancel: Some(CancelRequest {
+                    at: now,
+                    by: "api".into(),
+                }),
+                state: RunState::Failed {
+                    started_at: None,
+                    ended_at: now,
+                    reason: run_reason::CANCELLED.to_string(),
+                    detail: "cancelled before it started".to_string(),
+                    message_index: 0,
+                    execution: None,
+                },
+                ..r.clone()
+            }),
+            Some(r) => Change::Write(RunRecord {
+                cancel: Some(CancelRequest {
+                    at: now,
+                    by: "api".into(),
+                }),
+                ..r.clone()
+            }),
+            None => Change::Keep,
+        })
+        .await
+        .map_err(internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
+    if let Err(e) = ctx
+        .client
+        .publish(subjects::run_cancel(&req.run), "cancel".into())
+        .await
+    {
+        tracing::debug!(run = %req.run, error = %e, "cancel notice");
+    }
+    Ok(rec)
 }

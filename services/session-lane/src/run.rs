@@ -204,6 +204,9 @@ impl Driver<'_> {
         let texts: Vec<String> = self.run.texts().into_iter().map(str::to_string).collect();
         let first = self.run.progress.iter().take_while(|m| m.done).count();
         for (index, text) in texts.iter().enumerate().skip(first) {
+            if let Some(end) = self.cancelled(index).await? {
+                return Ok(Some(end));
+            }
             match self.message(index, text).await? {
                 Step::Next => {}
                 Step::End(end) => return Ok(Some(end)),
@@ -224,6 +227,10 @@ impl Driver<'_> {
         let mut held: Vec<jetstream::Message> = Vec::new();
         loop {
             if let Some(end) = self.over_time(index) {
+                nak_all(&held).await;
+                return Ok(Step::End(end));
+            }
+            if let Some(end) = self.cancelled(index).await? {
                 nak_all(&held).await;
                 return Ok(Step::End(end));
             }
@@ -283,6 +290,10 @@ impl Driver<'_> {
                 }
                 Wait::OverTime(end) => return Ok(Step::End(end)),
                 Wait::Cancelled => return Ok(Step::Cancelled),
+                Wait::RunCancelled => {
+                    // Looked up again at the top of the loop, with the reason.
+                    continue;
+                }
             };
             let (carried, taken) = self.take_completions(&started).await?;
             if carried.is_empty() {
@@ -315,6 +326,23 @@ impl Driver<'_> {
             }
             held = taken;
         }
+    }
+
+    /// A cancel recorded since the run last looked (R7: a cancelled run stops at a boundary).
+    async fn cancelled(&mut self, index: usize) -> Result<Option<End>, DriveError> {
+        if let Some((r, _)) = self
+            .ctx
+            .buckets
+            .runs
+            .get::<RunRecord>(self.run.id.as_str())
+            .await?
+        {
+            self.run.cancel = r.cancel;
+        }
+        Ok(self.run.cancel.as_ref().map(|c| {
+            let why = format!("cancelled by {} at {}", c.by, c.at);
+            self.failed(run_reason::CANCELLED, why, index, None)
+        }))
     }
 
     fn over_time(&self, index: usize) -> Option<End> {
@@ -457,6 +485,12 @@ impl Driver<'_> {
                 None
             }
         };
+        let mut cancel_notice = self
+            .ctx
+            .client
+            .subscribe(subjects::run_cancel(&self.run.id))
+            .await
+            .ok();
         // Step heartbeats are progress too (R10).
         let mut beats = self
             .ctx
@@ -490,6 +524,9 @@ impl Driver<'_> {
             tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return Ok(Wait::Cancelled),
+                Some(_) = async { match cancel_notice.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
+                    return Ok(Wait::RunCancelled);
+                }
                 Some(_) = async { match events.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
                     last_progress = tokio::time::Instant::now();
                 }
@@ -560,12 +597,36 @@ impl Driver<'_> {
         let k = if matches!(next.state, RunState::Completed { .. }) {
             run_kind::COMPLETED
         } else {
+            // What the run started dies with it (R7): a completed run has none left (R5).
+            self.cancel_owned_work(&next).await;
             run_kind::FAILED
         };
         let data = json!({ "state": next.state, "rounds": next.rounds() });
         event(self.ctx, &next, k, data).await;
         self.run = next;
         Ok(())
+    }
+}
+
+impl Driver<'_> {
+    async fn cancel_owned_work(&self, run: &RunRecord) {
+        for turn in run.progress.iter().flat_map(|m| m.turns.iter()) {
+            let req = ExecRef {
+                id: ExecutionId::from(turn),
+            };
+            let r: Result<turnstile_shared::step_api::Cancelled, _> =
+                api::call(&self.ctx.client, subjects::api::EXEC_CANCEL, &req, API).await;
+            match r {
+                Ok(c) if !c.cancelled.is_empty() => {
+                    tracing::info!(run = %run.id, %turn, count = c.cancelled.len(), "cancelled the ended run's work")
+                }
+                Ok(_) => {}
+                Err(e) if e.code == "not_found" => {}
+                Err(e) => {
+                    tracing::warn!(run = %run.id, %turn, error = %e, "cancel the ended run's work")
+                }
+            }
+        }
     }
 }
 
@@ -579,7 +640,10 @@ enum Wait {
     Settled(Vec<ExecutionId>),
     Idle,
     OverTime(End),
+    /// This replica is stopping.
     Cancelled,
+    /// The run itself was cancelled.
+    RunCancelled,
 }
 
 async fn nak_all(held: &[jetstream::Message]) {

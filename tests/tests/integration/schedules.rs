@@ -312,3 +312,67 @@ async fn catch_up(stack: &mut Stack) -> Result<()> {
     }
     Ok(())
 }
+
+/// Overlap `cancel_other` (R7, R11): a slot that comes while the previous run goes cancels it
+/// (it stops after its turn in flight, `failed: cancelled`, never typing its next message)
+/// and fires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_other_stops_the_running_run_and_fires() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = cancel_other(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn cancel_other(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("canceller", None).await?;
+    let mut spec = schedule(
+        "cancel-me",
+        "*/4 * * * * *",
+        &s,
+        &["long\n!sleep 5s", "second message"],
+    );
+    spec.overlap = Overlap::CancelOther;
+    stack.add_schedule(&spec).await?;
+    let slots = stack
+        .wait_slots("cancel-me", 2, Duration::from_secs(30))
+        .await?;
+    let _: turnstile_shared::schedules::ScheduleRecord = turnstile_shared::api::call(
+        &stack.client,
+        turnstile_shared::subjects::api::SCHEDULES_DELETE,
+        &turnstile_shared::schedules::ScheduleRef {
+            name: "cancel-me".into(),
+        },
+        crate::stack::API,
+    )
+    .await?;
+    let runs: Vec<_> = slots
+        .iter()
+        .take(2)
+        .map(|r| match &r.outcome {
+            SlotOutcome::Fired { run, .. } => Ok(run.clone()),
+            other => Err(anyhow::anyhow!("slot {}: {other:?}", r.slot)),
+        })
+        .collect::<Result<_>>()?;
+    let first = stack.wait_run(&runs[0], Duration::from_secs(30)).await?;
+    match &first.state {
+        RunState::Failed {
+            reason,
+            message_index,
+            ..
+        } => {
+            ensure!(reason == "cancelled", "{reason}");
+            ensure!(*message_index == 1, "stopped before its second message");
+        }
+        other => anyhow::bail!("the overlapped run ended {other:?}"),
+    }
+    let transcript = stack.transcript(&s).await?;
+    ensure!(
+        transcript.first().is_some_and(|m| m.starts_with("long")),
+        "{transcript:?}"
+    );
+    ensure!(
+        transcript.get(1).is_none_or(|m| m.starts_with("long")),
+        "the cancelled run never typed its second message: {transcript:?}"
+    );
+    Ok(())
+}
