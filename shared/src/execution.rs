@@ -16,6 +16,10 @@ pub enum ExecKind {
     Delivery,
     /// Work started through the step API.
     Step,
+    /// A run (R5): its messages are its children.
+    Run,
+    /// One message of a run: its turns (the message, then each hand-over) are its children.
+    Message,
 }
 
 /// Who may end an execution besides itself (R7).

@@ -129,7 +129,8 @@ prefixed_id!(
 pub struct ExecutionId(String);
 
 impl ExecutionId {
-    const PREFIXES: [&'static str; 2] = [TurnId::PREFIX, StepId::PREFIX];
+    /// Turns, steps, runs and a run's messages (`msg_<run>-<index>`).
+    const PREFIXES: [&'static str; 4] = [TurnId::PREFIX, StepId::PREFIX, RunId::PREFIX, "msg_"];
 
     pub fn as_str(&self) -> &str {
         &self.0
@@ -156,7 +157,7 @@ impl FromStr for ExecutionId {
         let Some(rest) = Self::PREFIXES.iter().find_map(|p| s.strip_prefix(p)) else {
             return Err(IdError::Prefix {
                 kind: "execution",
-                prefix: "trn_ or stp_",
+                prefix: "trn_, stp_, run_ or msg_",
                 value: s.to_string(),
             });
         };
@@ -198,6 +199,19 @@ impl From<StepId> for ExecutionId {
 impl From<&TurnId> for ExecutionId {
     fn from(id: &TurnId) -> Self {
         Self(id.to_string())
+    }
+}
+
+impl From<&RunId> for ExecutionId {
+    fn from(id: &RunId) -> Self {
+        Self(id.to_string())
+    }
+}
+
+impl ExecutionId {
+    /// Message `index` of a run, as a node of the tree (between the run and its turns).
+    pub fn message(run: &RunId, index: usize) -> Self {
+        Self(format!("msg_{}-{index}", &run.0[RunId::PREFIX.len()..]))
     }
 }
 
@@ -350,6 +364,9 @@ mod tests {
         let e = ExecutionId::from(&s);
         assert_eq!(e.as_step(), Some(s));
         assert!("ses_x".parse::<ExecutionId>().is_err());
+        let r = RunId::new();
+        assert!(ExecutionId::message(&r, 3).as_str().starts_with("msg_"));
+        assert_eq!(ExecutionId::from(&r).as_str(), r.as_str());
         assert!("stp_a.b".parse::<ExecutionId>().is_err());
         let d = DeliveryId::new();
         assert_eq!(d.turn().as_str()[4..], d.as_str()[4..]);

@@ -98,6 +98,9 @@ pub struct TurnRecord {
     /// a crash between its end and their acks never hands one over twice (R3, R14).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery: Option<Carried>,
+    /// The run message this turn belongs to, when a run typed it (R6).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ExecutionId>,
     #[serde(flatten)]
     pub state: TurnState,
 }
@@ -300,6 +303,7 @@ mod tests {
             text: "x".into(),
             queued_at: Utc::now(),
             delivery: None,
+            parent: None,
             state: TurnState::Failed {
                 ended_at: Utc::now(),
                 reason: reason::AGENT_EXITED.into(),

@@ -142,6 +142,12 @@ pub const TURNS_KV_STREAM: &str = "KV_ts_turns";
 pub const TURNS_KV_ALL: &str = "$KV.ts_turns.>";
 pub const BROKER_TURNS_CONSUMER: &str = "broker_turns";
 
+/// The stream behind the runs bucket: the broker mirrors runs and their messages into the
+/// execution tree from it.
+pub const RUNS_KV_STREAM: &str = "KV_ts_runs";
+pub const RUNS_KV_ALL: &str = "$KV.ts_runs.>";
+pub const BROKER_RUNS_CONSUMER: &str = "broker_runs";
+
 /// Where the broker keeps an unreadable execution end.
 pub const BROKER_DEADLETTER: &str = "ts.dlq.broker.ended";
 

@@ -335,17 +335,49 @@ pub async fn ensure_turns_mirror_consumer(
     js: &jetstream::Context,
     cfg: &TopologyConfig,
 ) -> Result<consumer::PullConsumer, TopologyError> {
-    let name = subjects::BROKER_TURNS_CONSUMER.to_string();
+    mirror_consumer(
+        js,
+        cfg,
+        subjects::BROKER_TURNS_CONSUMER,
+        subjects::TURNS_KV_STREAM,
+        subjects::TURNS_KV_ALL,
+    )
+    .await
+}
+
+/// The broker's durable view of every run record change (runs and messages in the tree).
+pub async fn ensure_runs_mirror_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    mirror_consumer(
+        js,
+        cfg,
+        subjects::BROKER_RUNS_CONSUMER,
+        subjects::RUNS_KV_STREAM,
+        subjects::RUNS_KV_ALL,
+    )
+    .await
+}
+
+async fn mirror_consumer(
+    js: &jetstream::Context,
+    cfg: &TopologyConfig,
+    name: &str,
+    stream: &str,
+    filter: &str,
+) -> Result<consumer::PullConsumer, TopologyError> {
+    let name = name.to_string();
     let config = consumer::pull::Config {
         durable_name: Some(name.clone()),
-        filter_subject: subjects::TURNS_KV_ALL.to_string(),
+        filter_subject: filter.to_string(),
         ack_policy: consumer::AckPolicy::Explicit,
         ack_wait: cfg.transport_ack_wait,
         max_ack_pending: 1_000,
         max_deliver: -1,
         ..Default::default()
     };
-    create_consumer(js, subjects::TURNS_KV_STREAM, &name, config).await
+    create_consumer(js, stream, &name, config).await
 }
 
 async fn create_consumer(

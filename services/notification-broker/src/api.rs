@@ -523,7 +523,7 @@ async fn cancel(ctx: Arc<Ctx>, req: ExecRef) -> Result<Cancelled, ApiError> {
                 cancelled.push(record.id.clone());
             }
         }
-        ExecKind::Turn | ExecKind::Delivery => {
+        ExecKind::Turn | ExecKind::Delivery | ExecKind::Run | ExecKind::Message => {
             cancelled = registry::cancel_under(&ctx, &record, Reach::Owned, exec_reason::CANCELLED)
                 .await
                 .map_err(internal)?;

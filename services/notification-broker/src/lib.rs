@@ -7,6 +7,7 @@ mod api;
 mod auth;
 mod ended;
 mod registry;
+mod runs_mirror;
 mod turns;
 
 use std::collections::HashMap;
@@ -86,11 +87,12 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         parent_locks: Default::default(),
     });
     tracing::info!(replica = %config.replica, "notification-broker running");
-    let (api, (), (), ()) = tokio::join!(
+    let (api, (), (), (), ()) = tokio::join!(
         api::serve(ctx.clone(), shutdown.clone()),
         ended::run(ctx.clone(), shutdown.clone()),
         turns::run(ctx.clone(), shutdown.clone()),
         agents::run(ctx.clone(), shutdown.clone()),
+        runs_mirror::run(ctx.clone(), shutdown.clone()),
     );
     let _ = ctx.client.drain().await;
     api

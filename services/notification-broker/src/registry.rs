@@ -77,11 +77,20 @@ fn turn_status(state: &TurnState) -> Option<ExecStatus> {
     }
 }
 
-/// Mirrors a turn record into the registry once it holds the lane (R2). Returns the node.
+/// Mirrors a turn record into the registry once it holds the lane (R2), under its run
+/// message if a run typed it. Returns the node.
 pub(crate) async fn mirror_turn(
     ctx: &Ctx,
     turn: &TurnRecord,
 ) -> Result<Option<ExecutionRecord>, KvError> {
+    let node = upsert_turn(ctx, turn).await?;
+    if let (Some(parent), Some(_)) = (&turn.parent, &node) {
+        add_child(ctx, parent, &ExecutionId::from(&turn.id)).await?;
+    }
+    Ok(node)
+}
+
+async fn upsert_turn(ctx: &Ctx, turn: &TurnRecord) -> Result<Option<ExecutionRecord>, KvError> {
     let Some(status) = turn_status(&turn.state) else {
         return Ok(None);
     };
@@ -101,7 +110,7 @@ pub(crate) async fn mirror_turn(
                 id: turn.id.clone().into(),
                 kind,
                 name: name.clone(),
-                parent: None,
+                parent: turn.parent.clone(),
                 scope: Scope::Turn,
                 session: turn.session.clone(),
                 owner: Some(turn.session.clone()),
@@ -224,6 +233,12 @@ pub(crate) async fn cancel_under(
         let Some(rec) = get(ctx, &id).await? else {
             continue;
         };
+        // Turns, messages and runs are not cancelled here (a turn is not interrupted); what
+        // they started is.
+        if rec.kind != ExecKind::Step {
+            stack.extend(rec.children.iter().cloned());
+            continue;
+        }
         match (rec.scope, reach) {
             (Scope::Detached, _) => continue,
             (Scope::Run, Reach::TurnScoped) => {

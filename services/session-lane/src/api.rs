@@ -211,6 +211,7 @@ async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
         text: req.text.clone(),
         queued_at: Utc::now(),
         delivery: None,
+        parent: None,
         state: TurnState::Queued,
     };
     let record = match ctx
@@ -336,6 +337,7 @@ async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
                     text: item.text.clone(),
                     queued_at: ended_at,
                     delivery: None,
+                    parent: None,
                     state: stopped_state(ended_at),
                 }),
             })

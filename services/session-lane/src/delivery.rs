@@ -89,6 +89,7 @@ pub(crate) async fn run_delivery(
                         })
                         .collect(),
                 }),
+                parent: None,
                 state: TurnState::Queued,
             };
             // What it carries is durable before anything is typed (R14).

@@ -251,6 +251,7 @@ async fn current_record(
         text: item.text.clone(),
         queued_at: Utc::now(),
         delivery: None,
+        parent: None,
         state: TurnState::Queued,
     };
     ctx.buckets.turns.create(key, &fresh).await?;

@@ -398,6 +398,7 @@ impl Driver<'_> {
             text,
             queued_at: Utc::now(),
             delivery: carried,
+            parent: Some(ExecutionId::message(&self.run.id, index)),
             state: TurnState::Queued,
         };
         self.ctx

@@ -303,6 +303,7 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
                 text: cmd.text.clone(),
                 queued_at: Utc::now(),
                 delivery: None,
+                parent: None,
                 state: TurnState::Queued,
             };
             ctx.buckets.turns.create(key, &fresh).await?;

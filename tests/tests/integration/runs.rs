@@ -286,3 +286,47 @@ async fn background_agent(stack: &mut Stack) -> Result<()> {
     .await?;
     Ok(())
 }
+
+/// R6: a run is a node of the execution tree: run → messages → turns → steps; it is settled
+/// only when its whole tree is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_is_the_root_of_its_tree() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = run_tree(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn run_tree(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::execution::ExecKind;
+    use turnstile_shared::ExecutionId;
+    let s = stack.create_session("treed", None).await?;
+    let run = stack
+        .start_run(&s, &["!groups 2 200ms", "and a second message"], None)
+        .await?;
+    stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    let root = ExecutionId::from(&run.id);
+    let tree = crate::stack::wait_until_tree(stack, &root, Duration::from_secs(20), |t| {
+        t.settled && t.nodes.len() == 2 && t.nodes[0].nodes.len() == 3
+    })
+    .await?;
+    ensure!(tree.record.kind == ExecKind::Run);
+    let first = &tree.nodes[0];
+    ensure!(
+        first.record.kind == ExecKind::Message,
+        "{:?}",
+        first.record.kind
+    );
+    // The message's turns: its own, then two hand-overs; its first turn started group-1.
+    let steps: Vec<_> = first
+        .nodes
+        .iter()
+        .flat_map(|t| t.nodes.iter())
+        .map(|n| n.record.name.clone())
+        .collect();
+    ensure!(steps == ["group-1", "group-2"], "{steps:?}");
+    ensure!(
+        tree.nodes[1].nodes.len() == 1,
+        "the second message took one turn"
+    );
+    Ok(())
+}
