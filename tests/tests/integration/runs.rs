@@ -109,6 +109,29 @@ async fn bounds(stack: &mut Stack) -> Result<()> {
         done.rounds()
     );
 
+    // max_duration: a run still going past it ends `failed: max_duration` at its next
+    // boundary (the turn in flight is not interrupted).
+    let limits = RunLimits {
+        max_duration: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let run = stack
+        .start_run_with(&s, &["!sleep 2s", "never typed"], None, limits)
+        .await?;
+    let done = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    match &done.state {
+        RunState::Failed { reason, .. } => ensure!(reason == "max_duration", "{reason}"),
+        other => anyhow::bail!("a run over max_duration ended {other:?}"),
+    }
+    ensure!(
+        !stack
+            .transcript(&s)
+            .await?
+            .iter()
+            .any(|m| m == "never typed"),
+        "the run stopped at the bound"
+    );
+
     // A 5 s step with a 2 s idle timeout: its heartbeats keep the run alive.
     let limits = RunLimits {
         idle_timeout: Duration::from_secs(2),
@@ -156,9 +179,23 @@ async fn bounds(stack: &mut Stack) -> Result<()> {
         }
         other => anyhow::bail!("expected idle_timeout, got {other:?}"),
     }
-    // Nothing lingers after a failed run (R13).
-    let view = stack.show(&s).await?;
-    ensure!(!view.busy, "idle after the failed run");
+    // Nothing lingers after a failed run (R13): the work it owned is cancelled, and that
+    // cancellation is handed over in one delivery, after which the session is idle.
+    let orphan = stack
+        .wait_exec(&step.id, Duration::from_secs(20), |r| {
+            r.status.is_terminal()
+        })
+        .await?;
+    ensure!(orphan.status.name() == "cancelled", "{:?}", orphan.status);
+    turnstile_tests::wait_until(
+        "the session to go idle",
+        Duration::from_secs(30),
+        || async {
+            let v = stack.show(&s).await?;
+            Ok((!v.busy && v.queued == 0).then_some(()))
+        },
+    )
+    .await?;
     Ok(())
 }
 
