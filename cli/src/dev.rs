@@ -9,6 +9,7 @@ use anyhow::{bail, Context};
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ApiError, CreateSession, SendTurn};
 use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord};
+use turnstile_shared::schedules::{ScheduleRecord, ScheduleSpec};
 use turnstile_shared::subjects::api as subj;
 use turnstile_shared::HostName;
 
@@ -167,8 +168,34 @@ async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
         let _: TurnRecord =
             api::call(client, subj::SESSION_SEND, &req, Duration::from_secs(5)).await?;
     }
+    // A schedule whose runs start background steps during a turn: each run hands their
+    // results back in one batch and ends only then (R5).
+    let spec = ScheduleSpec {
+        name: "demo-every-30s".into(),
+        cron: "*/30 * * * * *".into(),
+        tz: "UTC".into(),
+        session: session.id.clone(),
+        messages: vec![DEMO_SCHEDULED.to_string()],
+        finalizer: Some("summarise what the checks found".into()),
+        overlap: Default::default(),
+        catchup_window: Duration::from_secs(3600),
+        catchup: Default::default(),
+        late_threshold: Duration::from_secs(60),
+        limits: Default::default(),
+    };
+    let added: Result<ScheduleRecord, ApiError> =
+        api::call(client, subj::SCHEDULES_ADD, &spec, Duration::from_secs(5)).await;
+    match added {
+        Ok(_) => {}
+        Err(e) if e.code == "exists" => {}
+        Err(e) => return Err(e.into()),
+    }
     Ok(())
 }
+
+/// The demo schedule's message: two background steps started from one turn.
+const DEMO_SCHEDULED: &str =
+    "run the scheduled checks\n!step lint 2s --scope run\n!step test 3s --scope run\n!sleep 4s";
 
 /// nats-server from PATH or `.tools/bin`, on `port`, its store under `data_dir`.
 async fn start_nats(data_dir: &Path, port: u16) -> anyhow::Result<tokio::process::Child> {
