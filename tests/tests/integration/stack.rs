@@ -346,6 +346,19 @@ impl Stack {
 impl Drop for Stack {
     /// Agents outlive their transport by design (re-adoption); a finished test ends them.
     fn drop(&mut self) {
+        // Transports first: a live one could relaunch an agent into a fresh tmux server right
+        // after the server below is killed, and leak it.
+        for p in self.transports.values() {
+            if let Some(pid) = p
+                .pid()
+                .and_then(|p| i32::try_from(p).ok())
+                .filter(|p| *p > 1)
+            {
+                if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                }
+            }
+        }
         for host in self.transports.keys() {
             let sock = self
                 .dir
