@@ -85,6 +85,8 @@ pub mod reason {
     pub const AGENT_EXITED: &str = "agent_exited";
     pub const TURN_TIMEOUT: &str = "turn_timeout";
     pub const PARENT_TRANSPORT_UNAVAILABLE: &str = "parent_transport_unavailable";
+    /// The session's host stopped heartbeating while the turn waited on it.
+    pub const TRANSPORT_UNAVAILABLE: &str = "transport_unavailable";
     pub const TRANSPORT_ERROR: &str = "transport_error";
 }
 

@@ -115,7 +115,7 @@ pub(crate) async fn run_delivery(
         if let Err(e) = disarm_and_recheck(ctx, &session.id, &item).await {
             tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "clear delivery marker; a stale marker is re-armed by the next completion");
         }
-        match wait_terminal(ctx, &msg, &turn_id, waiter, cancel, &held).await {
+        match wait_terminal(ctx, &msg, &session.host, &turn_id, waiter, cancel, &held).await {
             Some(r) => r,
             None => {
                 for h in &held {

@@ -223,7 +223,7 @@ async fn run_turn(
         let _ = nak(Some(Duration::from_millis(500))).await;
         return;
     }
-    match wait_terminal(ctx, &msg, &item.turn, waiter, cancel, &[]).await {
+    match wait_terminal(ctx, &msg, &session.host, &item.turn, waiter, cancel, &[]).await {
         Some(record) => {
             finish(ctx, session, &msg, &record).await;
             if ctx.left_pending(&session.id) {
@@ -310,6 +310,7 @@ pub(crate) async fn dispatch(
 pub(crate) async fn wait_terminal(
     ctx: &Ctx,
     msg: &jetstream::Message,
+    host: &turnstile_shared::HostName,
     turn: &turnstile_shared::TurnId,
     mut waiter: TurnWaiter,
     cancel: &CancellationToken,
@@ -345,9 +346,54 @@ pub(crate) async fn wait_terminal(
                         return Some(rec);
                     }
                 }
+                // A host that stopped heartbeating will not record the outcome: the turn
+                // fails with the named error instead of waiting (R9), and only this host's
+                // sessions are touched.
+                if let Some(rec) = fail_if_host_lapsed(ctx, host, turn).await {
+                    return Some(rec);
+                }
             }
         }
     }
+}
+
+/// Fails the turn `transport_unavailable` if its host's heartbeat key has lapsed.
+async fn fail_if_host_lapsed(
+    ctx: &Ctx,
+    host: &turnstile_shared::HostName,
+    turn: &turnstile_shared::TurnId,
+) -> Option<TurnRecord> {
+    match ctx
+        .buckets
+        .hosts
+        .get::<turnstile_shared::records::HostRecord>(host.as_str())
+        .await
+    {
+        Ok(Some(_)) | Err(_) => return None,
+        Ok(None) => {}
+    }
+    let ended_at = Utc::now();
+    let ttl = ctx.topology.host_ttl;
+    ctx.buckets
+        .turns
+        .modify::<TurnRecord, _>(turn.as_str(), |cur| match cur {
+            Some(r) if !r.state.is_terminal() => turnstile_shared::kv::Change::Write(TurnRecord {
+                state: TurnState::Failed {
+                    ended_at,
+                    reason: turnstile_shared::records::reason::TRANSPORT_UNAVAILABLE.to_string(),
+                    detail: format!(
+                        "host {host} has not heartbeaten for {ttl:?}; its transport agent is gone"
+                    ),
+                    output: Vec::new(),
+                },
+                ..r.clone()
+            }),
+            _ => turnstile_shared::kv::Change::Keep,
+        })
+        .await
+        .ok()
+        .flatten()
+        .filter(|r| r.state.is_terminal())
 }
 
 /// Emits the outcome event (derived from the durable record) and frees the lane.

@@ -465,7 +465,16 @@ impl Driver<'_> {
         dispatch(self.ctx, self.session, self.msg, turn, &record.text)
             .await
             .map_err(DriveError::Dispatch)?;
-        Ok(wait_terminal(self.ctx, self.msg, turn, waiter, self.cancel, held).await)
+        Ok(wait_terminal(
+            self.ctx,
+            self.msg,
+            &self.session.host,
+            turn,
+            waiter,
+            self.cancel,
+            held,
+        )
+        .await)
     }
 
     /// Waits until the turn's whole subtree is terminal (R5). Step events are progress (R10).

@@ -5,6 +5,7 @@ mod bad_input;
 mod children;
 mod delivery;
 mod faults;
+mod hosts;
 mod lanes;
 mod runs;
 mod schedules;
