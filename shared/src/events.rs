@@ -20,6 +20,8 @@ pub mod kind {
     pub const LANE_REJECTED: &str = "lane.rejected";
     pub const TRANSPORT_REJECTED: &str = "transport.rejected";
     pub const TERMINAL_READY: &str = "terminal.ready";
+    /// An agent's process exited while its session was idle, with evidence.
+    pub const TERMINAL_DIED: &str = "terminal.died";
     pub const HOST_UP: &str = "host.up";
     pub const STEP_QUEUED: &str = "step.queued";
     pub const STEP_RUNNING: &str = "step.running";

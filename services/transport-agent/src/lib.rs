@@ -8,6 +8,7 @@ mod heartbeat;
 mod mock;
 mod steps;
 mod tmux;
+mod watch;
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -117,6 +118,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     };
     std::fs::create_dir_all(&config.mock_state_dir).map_err(dir_err)?;
     let tmux = tmux::Tmux::new(&config.data_dir).map_err(dir_err)?;
+    let watched = tmux.clone();
     let Connected {
         client,
         js,
@@ -158,7 +160,8 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     let beat = heartbeat::run(ctx.clone(), shutdown.clone());
     let cmds = commands::run(ctx.clone(), shutdown.clone());
     let steps = steps::run(ctx.clone(), shutdown.clone());
-    let (beat, cmds, steps) = tokio::join!(beat, cmds, steps);
+    let watch = watch::run(ctx.clone(), watched, shutdown.clone());
+    let (beat, cmds, steps, ()) = tokio::join!(beat, cmds, steps, watch);
     let _ = client.drain().await;
     beat.and(cmds).and(steps)
 }

@@ -165,6 +165,35 @@ impl Tmux {
             .map(|_| ())
     }
 
+    /// Every pane on this server: `(session name, dead, exit status)`. Empty when no server
+    /// runs (no agent was launched yet).
+    pub async fn panes(&self) -> Vec<(String, bool, Option<i32>)> {
+        let out = match self
+            .run(
+                &[
+                    "list-panes",
+                    "-a",
+                    "-F",
+                    "#{session_name}\t#{pane_dead}\t#{pane_dead_status}",
+                ],
+                None,
+            )
+            .await
+        {
+            Ok(o) => o,
+            Err(_) => return Vec::new(),
+        };
+        out.lines()
+            .filter_map(|l| {
+                let mut f = l.split('\t');
+                let name = f.next()?.to_string();
+                let dead = f.next()? == "1";
+                let status = f.next().and_then(|s| s.parse().ok());
+                Some((name, dead, status))
+            })
+            .collect()
+    }
+
     /// Pane metadata and the visible screen in one tmux call.
     pub async fn pane_state(&self, name: &str) -> Result<PaneState, TmuxError> {
         let target = pane(name);

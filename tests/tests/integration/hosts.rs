@@ -82,3 +82,53 @@ async fn dead_host(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// Issue 5, acceptance 3: the agent exits while idle. An event with evidence comes within 2 s;
+/// the next turn goes to the resumed agent, in the same conversation, never into the dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_dying_while_idle_is_reported_with_evidence() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = idle_death(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn idle_death(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("fragile", None).await?;
+    let first = stack.send(&s, "hello").await?;
+    stack.all_complete(&[first]).await?;
+    let sock = stack.dir.path().join("host-h1").join("tmux.sock");
+    let out = std::process::Command::new("tmux")
+        .arg("-S")
+        .arg(&sock)
+        .args(["list-panes", "-t", s.as_str(), "-F", "#{pane_pid}"])
+        .output()?;
+    let pid: u32 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+    let killed_at = chrono::Utc::now();
+    crate::stack::signal(pid, rustix::process::Signal::KILL)?;
+    let died = stack
+        .wait_events("terminal.died", Duration::from_secs(10), |ev| {
+            ev.iter()
+                .find(|e| e.kind == "terminal.died" && e.session.as_ref() == Some(&s))
+                .cloned()
+        })
+        .await?;
+    let after = (died.at - killed_at).num_milliseconds();
+    ensure!(after < 2_000, "reported {after} ms after the exit");
+    ensure!(died.data["host"] == "h1", "{:?}", died.data);
+    ensure!(died.data["terminal"] == s.as_str(), "{:?}", died.data);
+    ensure!(
+        died.data["last_lines"]
+            .as_array()
+            .is_some_and(|l| !l.is_empty()),
+        "the last lines are the evidence: {:?}",
+        died.data
+    );
+    let next = stack.send(&s, "are you back?").await?;
+    stack.all_complete(&[next]).await?;
+    let transcript = stack.transcript(&s).await?;
+    ensure!(
+        transcript == ["hello", "are you back?"],
+        "one conversation: {transcript:?}"
+    );
+    Ok(())
+}
