@@ -76,6 +76,13 @@ pub enum RunCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Retry a failed run: it continues where it failed (a failed hand-over is redone with the
+    /// completions pending now; finished steps are never re-run).
+    Retry {
+        id: RunId,
+        #[arg(long)]
+        json: bool,
+    },
     /// Cancel a run: a queued one ends at once; a running one after its turn in flight, with
     /// the work it owns cancelled. Ends `failed: cancelled`.
     Cancel {
@@ -113,6 +120,15 @@ pub async fn run(url: &str, cmd: RunCommand) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string(&rec)?);
             } else {
                 print_run(&rec);
+            }
+        }
+        RunCommand::Retry { id, json } => {
+            let rec: RunRecord =
+                api::call(&client, subj::RUNS_RETRY, &RunRef { run: id }, API_TIMEOUT).await?;
+            if json {
+                println!("{}", serde_json::to_string(&rec)?);
+            } else {
+                println!("{} queued again (attempt {})", rec.id, rec.attempt);
             }
         }
         RunCommand::Cancel { id, json } => {
@@ -414,6 +430,7 @@ mod tests {
                 done: true,
             }],
             cancel: None,
+            attempt: 0,
             state: RunState::Failed {
                 started_at: Some(t),
                 ended_at: t,

@@ -47,10 +47,24 @@ pub struct Args {
 }
 
 /// Runs until stdin closes or an `!exit` directive; returns the process exit code to use.
+/// True while the file named by `TURNSTILE_MOCK_FAIL_RESUME_FILE` exists.
+fn resume_refused() -> bool {
+    std::env::var_os("TURNSTILE_MOCK_FAIL_RESUME_FILE")
+        .filter(|p| !p.is_empty())
+        .is_some_and(|p| std::path::Path::new(&p).exists())
+}
+
 pub fn run(args: Args) -> Result<i32> {
     let (conversation, resumed) = match args.resume {
         Some(id) => {
             validate_conversation_id(&id)?;
+            if resume_refused() {
+                // Fault tests: a resume that cannot come back (R9).
+                println!(
+                    "error: conversation {id} cannot be resumed (TURNSTILE_MOCK_FAIL_RESUME_FILE)"
+                );
+                return Ok(3);
+            }
             (id, true)
         }
         None => (new_conversation_id(), false),

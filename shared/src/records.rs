@@ -198,9 +198,15 @@ impl LaneItem {
             Self::Delivery(item) => Ok(Envelope::new(lane_kind::DELIVERY, item)?
                 .with_session(session)
                 .with_id(item.delivery.to_string())),
-            Self::Run(item) => Ok(Envelope::new(lane_kind::RUN, item)?
-                .with_session(session)
-                .with_id(item.run.to_string())),
+            Self::Run(item) => {
+                let id = match item.attempt {
+                    0 => item.run.to_string(),
+                    n => format!("{}:a{n}", item.run),
+                };
+                Ok(Envelope::new(lane_kind::RUN, item)?
+                    .with_session(session)
+                    .with_id(id))
+            }
         }
     }
 

@@ -11,6 +11,7 @@ use crate::ids::{ExecutionId, RunId, SessionId, TurnId};
 
 /// Named reasons a run fails with; documented in docs/runs.md.
 pub mod run_reason {
+    /// Not used as a reason any more: a run whose turn fails ends with the turn's own reason.
     pub const TURN_FAILED: &str = "turn_failed";
     pub const MAX_ROUNDS: &str = "max_rounds";
     pub const MAX_DURATION: &str = "max_duration";
@@ -97,6 +98,9 @@ pub struct RunRecord {
     /// Set by a cancel: the run stops at its next boundary (a turn is not interrupted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancel: Option<CancelRequest>,
+    /// How often it was retried (`turnstile run retry`); turns of a retry get fresh ids.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attempt: u32,
     #[serde(flatten)]
     pub state: RunState,
 }
@@ -107,7 +111,20 @@ pub struct CancelRequest {
     pub by: String,
 }
 
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 impl RunRecord {
+    /// The turn of round `round` of message `message` in this attempt (R14: derived).
+    pub fn turn_id(&self, message: usize, round: u32) -> TurnId {
+        let t = self.id.turn(message, round);
+        if self.attempt == 0 {
+            return t;
+        }
+        format!("{t}-a{}", self.attempt).parse().unwrap_or(t)
+    }
+
     /// Every message in order, the finalizer last.
     pub fn texts(&self) -> Vec<&str> {
         self.messages
@@ -168,6 +185,9 @@ impl RunState {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunItem {
     pub run: RunId,
+    /// 0 for the first time; a retry queues the run again with the next attempt.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attempt: u32,
 }
 
 /// `ts.api.runs.start`: run these messages on the session now (queued on its lane).

@@ -179,6 +179,7 @@ pub mod api {
     pub const RUNS_SHOW: &str = "ts.api.runs.show";
     pub const RUNS_LIST: &str = "ts.api.runs.list";
     pub const RUNS_CANCEL: &str = "ts.api.runs.cancel";
+    pub const RUNS_RETRY: &str = "ts.api.runs.retry";
 
     /// Schedules, served by the scheduler.
     pub const SCHEDULER_SERVICE: &str = "turnstile-scheduler";

@@ -52,7 +52,13 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     endpoint!("list", list);
     endpoint!("show", show);
     let runs = service.group(subjects::api::RUNS_GROUP);
-    for (verb, which) in [("start", 0), ("show", 1), ("list", 2), ("cancel", 3)] {
+    for (verb, which) in [
+        ("start", 0),
+        ("show", 1),
+        ("list", 2),
+        ("cancel", 3),
+        ("retry", 4),
+    ] {
         let endpoint = runs.endpoint(verb).await.map_err(Error::Api)?;
         let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
         use turnstile_shared::service::serve_endpoint as serve;
@@ -60,6 +66,7 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
             0 => tokio::spawn(serve(ctx, endpoint, shutdown, start_run)),
             1 => tokio::spawn(serve(ctx, endpoint, shutdown, show_run)),
             3 => tokio::spawn(serve(ctx, endpoint, shutdown, cancel_run)),
+            4 => tokio::spawn(serve(ctx, endpoint, shutdown, retry_run)),
             _ => tokio::spawn(serve(ctx, endpoint, shutdown, list_runs)),
         });
     }
@@ -490,6 +497,7 @@ async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord, ApiError> 
         limits: req.limits,
         progress: Vec::new(),
         cancel: None,
+        attempt: 0,
         state: RunState::Queued,
     };
     let record = match ctx
@@ -517,7 +525,10 @@ async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord, ApiError> 
             existing
         }
     };
-    let item = LaneItem::Run(RunItem { run: id.clone() });
+    let item = LaneItem::Run(RunItem {
+        run: id.clone(),
+        attempt: 0,
+    });
     let env = item.to_envelope(&session.id).map_err(internal)?;
     events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
         .await
@@ -608,4 +619,85 @@ async fn cancel_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
         tracing::debug!(run = %req.run, error = %e, "cancel notice");
     }
     Ok(rec)
+}
+
+/// Retries a failed run (R9): it continues where it failed. The failed turn is dropped from its
+/// progress (a hand-over is redone with whatever completions are pending now; a failed
+/// message turn is typed again), finished children are never re-run, and its turns get fresh
+/// ids. The run's record keeps its history; `attempt` counts the retries.
+async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
+    let current = ctx
+        .buckets
+        .runs
+        .get::<RunRecord>(req.run.as_str())
+        .await
+        .map_err(internal)?
+        .map(|(r, _)| r)
+        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
+    let RunState::Failed { message_index, .. } = current.state else {
+        return Err(ApiError::new(
+            "not_failed",
+            format!(
+                "run {} is {}; only a failed run is retried",
+                req.run,
+                current.state.name()
+            ),
+        ));
+    };
+    let session = active_session(&ctx, &current.session).await?;
+    // The failed turn, if the message got that far.
+    let failed_turn = current
+        .progress
+        .get(message_index)
+        .and_then(|m| m.turns.last())
+        .cloned();
+    let drop_last = match &failed_turn {
+        Some(t) => ctx
+            .buckets
+            .turns
+            .get::<TurnRecord>(t.as_str())
+            .await
+            .map_err(internal)?
+            .is_some_and(|(r, _)| matches!(r.state, TurnState::Failed { .. })),
+        None => false,
+    };
+    let next = ctx
+        .buckets
+        .runs
+        .modify::<RunRecord, _>(req.run.as_str(), |cur| match cur {
+            Some(r) if matches!(r.state, RunState::Failed { .. }) => {
+                let mut n = r.clone();
+                n.attempt += 1;
+                n.cancel = None;
+                n.state = RunState::Queued;
+                if drop_last {
+                    if let Some(m) = n.progress.get_mut(message_index) {
+                        m.turns.pop();
+                    }
+                }
+                Change::Write(n)
+            }
+            _ => Change::Keep,
+        })
+        .await
+        .map_err(internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
+    let item = LaneItem::Run(RunItem {
+        run: next.id.clone(),
+        attempt: next.attempt,
+    });
+    let env = item.to_envelope(&session.id).map_err(internal)?;
+    events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
+        .await
+        .map_err(internal)?;
+    let ev = session_event(
+        "run.retried",
+        &session.id,
+        None,
+        &json!({ "run": next.id, "attempt": next.attempt, "message_index": message_index }),
+    )
+    .map_err(internal)?
+    .with_id(format!("{}:run.retried:{}", next.id, next.attempt));
+    events::publish(&ctx.js, &ev).await.map_err(internal)?;
+    Ok(next)
 }

@@ -245,7 +245,7 @@ impl Driver<'_> {
                     if let Some(end) = self.over_rounds(index) {
                         return Ok(Step::End(end));
                     }
-                    let t = self.run.id.turn(index, 0);
+                    let t = self.run.turn_id(index, 0);
                     self.record_turn(index, &t, text.to_string(), None).await?;
                     t
                 }
@@ -265,14 +265,10 @@ impl Driver<'_> {
             };
             settle(self.ctx, self.session, &record, &this_round).await;
             if let TurnState::Failed { reason, detail, .. } = &record.state {
-                let why = format!("turn {} failed: {reason}: {detail}", record.id);
+                // The run ends with its turn's reason (e.g. parent_transport_unavailable, R9).
+                let why = format!("turn {} failed: {detail}", record.id);
                 let exec = Some(record.id.clone().into());
-                return Ok(Step::End(self.failed(
-                    run_reason::TURN_FAILED,
-                    why,
-                    index,
-                    exec,
-                )));
+                return Ok(Step::End(self.failed(reason, why, index, exec)));
             }
             self.event_round(index, &record).await;
             // Wait for everything this turn started, then take what came back.
@@ -307,7 +303,7 @@ impl Driver<'_> {
                 return Ok(Step::End(end));
             }
             let round = self.run.progress.get(index).map_or(0, |m| m.turns.len()) as u32;
-            let next = self.run.id.turn(index, round);
+            let next = self.run.turn_id(index, round);
             let completions: Vec<Completion> = carried.iter().map(|(c, _)| c.clone()).collect();
             let carried = Carried {
                 delivery: DeliveryId::new(),

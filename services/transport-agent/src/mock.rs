@@ -213,7 +213,19 @@ impl Adapter for MockAdapter {
                 });
             }
             self.launch(spec).await?;
-            let state = self.wait_ready(name, deadline).await?;
+            // One launch (a same-conversation resume when the conversation is known), bounded
+            // by the deadline; its failure names the command (R9 evidence).
+            let state = self
+                .wait_ready(name, deadline)
+                .await
+                .map_err(|u| Unavailable {
+                    detail: format!(
+                        "{} (after `{}`)",
+                        u.detail,
+                        self.launch_argv(spec).join(" ")
+                    ),
+                    last_lines: u.last_lines,
+                })?;
             Ok(Ready {
                 conversation: conversation_from(&state).or_else(|| spec.conversation.clone()),
                 launched: true,

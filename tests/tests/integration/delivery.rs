@@ -237,7 +237,7 @@ async fn broker_and_lane_killed(stack: &mut Stack) -> Result<()> {
         "{:?}",
         done.state
     );
-    let pending = completion_backlog(stack, &s).await?;
+    let pending = crate::stack::completion_backlog(stack, &s).await?;
     ensure!(
         pending > 0,
         "the frozen lane had not acked the carried completion yet"
@@ -249,7 +249,7 @@ async fn broker_and_lane_killed(stack: &mut Stack) -> Result<()> {
     turnstile_tests::wait_until(
         "carried completions acked",
         Duration::from_secs(30),
-        || async { Ok((completion_backlog(stack, &s).await? == 0).then_some(())) },
+        || async { Ok((crate::stack::completion_backlog(stack, &s).await? == 0).then_some(())) },
     )
     .await?;
 
@@ -285,20 +285,4 @@ async fn wait_delivery_running(
             .and_then(|r| matches!(r.state, TurnState::Running { .. }).then(|| r.id.clone())))
     })
     .await
-}
-
-/// Completions of the session still in `TS_COMPLETION` (pending or unacked).
-async fn completion_backlog(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<u64> {
-    let stream = stack
-        .js
-        .get_stream(turnstile_shared::subjects::COMPLETION_STREAM)
-        .await?;
-    let mut subjects = stream
-        .info_with_subjects(turnstile_shared::subjects::completion_session_all(s))
-        .await?;
-    let mut total = 0u64;
-    while let Some(entry) = futures::StreamExt::next(&mut subjects).await {
-        total += entry?.1 as u64;
-    }
-    Ok(total)
 }

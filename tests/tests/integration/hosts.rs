@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use turnstile_shared::records::TurnState;
 
-use crate::stack::{report, Stack};
+use crate::stack::{listed_steps, report, Stack};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_host_fails_only_its_own_turns_and_its_sessions_resume() -> Result<()> {
@@ -130,5 +130,159 @@ async fn idle_death(stack: &mut Stack) -> Result<()> {
         transcript == ["hello", "are you back?"],
         "one conversation: {transcript:?}"
     );
+    Ok(())
+}
+
+/// Issue 5, acceptance 1 (PLAT-067): a run's background step completes while the session's
+/// tmux server is dead, and the resume is made to fail. The run ends `failed` with
+/// `parent_transport_unavailable` and evidence, within the ready timeout; the step's result
+/// stays pending; a retry once the terminal can come back hands it over without re-running it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_terminal_fails_the_run_with_evidence_and_a_retry_delivers() -> Result<()> {
+    let flag = std::env::temp_dir().join(format!(
+        "ts-fail-resume-{}",
+        turnstile_shared::SessionId::new()
+    ));
+    let flag_s = flag.to_string_lossy().into_owned();
+    let mut stack = Stack::start_with(
+        &["a"],
+        &["h1"],
+        &[("TURNSTILE_MOCK_FAIL_RESUME_FILE", &flag_s)],
+    )
+    .await?;
+    let r = plat_067(&mut stack, Some(&flag)).await;
+    let _ = std::fs::remove_file(&flag);
+    report(&stack, r)
+}
+
+/// Issue 5, acceptance 2: the same with a resume that succeeds: the run goes on in the same
+/// conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_terminal_is_resumed_once_and_the_run_goes_on() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = plat_067(&mut stack, None).await;
+    report(&stack, r)
+}
+
+async fn plat_067(stack: &mut Stack, fail_resume: Option<&std::path::Path>) -> Result<()> {
+    use turnstile_shared::runs::RunState;
+    use turnstile_shared::ExecutionId;
+    let s = stack.create_session("plat-067", None).await?;
+    let first = "start the long job\n!step bg 3s --scope run\n!sleep 1s";
+    let run = stack.start_run(&s, &[first, "second"], None).await?;
+    let turn0 = run.id.turn(0, 0);
+    stack.wait_turn(&turn0, Duration::from_secs(20)).await?;
+    // The run now waits for `bg`. The terminal dies with the whole tmux server.
+    if let Some(flag) = fail_resume {
+        std::fs::write(flag, b"")?;
+    }
+    let sock = stack.dir.path().join("host-h1").join("tmux.sock");
+    let killed = std::process::Command::new("tmux")
+        .arg("-S")
+        .arg(&sock)
+        .arg("kill-server")
+        .status()?;
+    ensure!(killed.success(), "kill the tmux server");
+    let killed_at = std::time::Instant::now();
+    let step = crate::stack::wait_until_tree(
+        stack,
+        &ExecutionId::from(&turn0),
+        Duration::from_secs(20),
+        |t| t.nodes.len() == 1 && t.nodes[0].record.status.is_terminal(),
+    )
+    .await?
+    .nodes[0]
+        .record
+        .clone();
+    ensure!(step.status.name() == "completed", "{:?}", step.status);
+
+    let Some(flag) = fail_resume else {
+        // The resume succeeds: the hand-over goes into the same conversation, the run goes on.
+        let done = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+        ensure!(
+            matches!(done.state, RunState::Completed { .. }),
+            "{:?}",
+            done.state
+        );
+        let transcript = stack.transcript(&s).await?;
+        ensure!(transcript.len() == 3, "one conversation: {transcript:?}");
+        ensure!(listed_steps(&transcript[1]) == vec![step.id.to_string()]);
+        return Ok(());
+    };
+    let failed = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    let RunState::Failed {
+        reason,
+        detail,
+        execution,
+        ..
+    } = &failed.state
+    else {
+        anyhow::bail!("run: {:?}", failed.state)
+    };
+    ensure!(
+        reason == "parent_transport_unavailable",
+        "{reason}: {detail}"
+    );
+    ensure!(
+        detail.contains("host h1") && detail.contains(s.as_str()) && detail.contains("--resume"),
+        "evidence names host, terminal and the resume command: {detail}"
+    );
+    ensure!(
+        killed_at.elapsed() < Duration::from_secs(20 + 5),
+        "failed within the ready timeout"
+    );
+    let turn = stack
+        .turn(
+            &execution
+                .as_ref()
+                .and_then(|e| e.as_turn())
+                .context("failed turn")?,
+        )
+        .await?
+        .context("failed turn record")?;
+    ensure!(
+        matches!(&turn.state, TurnState::Failed { output, .. } if !output.is_empty()),
+        "the last lines of the terminal are kept: {:?}",
+        turn.state
+    );
+    // The result is still pending (a delivery may try and fail too, it stays pending).
+    ensure!(
+        crate::stack::completion_backlog(stack, &s).await? >= 1,
+        "the step's completion is still pending"
+    );
+    // The terminal can come back: a retry continues the run and hands the result over.
+    std::fs::remove_file(flag)?;
+    let _: turnstile_shared::runs::RunRecord = turnstile_shared::api::call(
+        &stack.client,
+        turnstile_shared::subjects::api::RUNS_RETRY,
+        &turnstile_shared::runs::RunRef {
+            run: run.id.clone(),
+        },
+        crate::stack::API,
+    )
+    .await?;
+    let done = stack
+        .wait_run_state(&run.id, Duration::from_secs(60), |r| {
+            matches!(r.state, RunState::Completed { .. })
+        })
+        .await?;
+    ensure!(done.attempt == 1);
+    let transcript = stack.transcript(&s).await?;
+    let handed: Vec<String> = transcript.iter().flat_map(|m| listed_steps(m)).collect();
+    ensure!(
+        handed == vec![step.id.to_string()],
+        "handed over once: {transcript:?}"
+    );
+    ensure!(
+        transcript.iter().filter(|m| m.as_str() == first).count() == 1,
+        "the message was not typed again: {transcript:?}"
+    );
+    ensure!(
+        transcript.last().map(String::as_str) == Some("second"),
+        "{transcript:?}"
+    );
+    // Not re-run: the turn still has its one step, completed once.
+    let tree = stack.tree(&ExecutionId::from(&turn0)).await?;
+    ensure!(tree.nodes.len() == 1 && tree.nodes[0].record.status.name() == "completed");
     Ok(())
 }

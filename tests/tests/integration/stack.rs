@@ -740,3 +740,46 @@ pub fn schedule(
         limits: Default::default(),
     }
 }
+
+/// Completions of the session still in `TS_COMPLETION` (pending or unacked).
+pub async fn completion_backlog(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<u64> {
+    let stream = stack
+        .js
+        .get_stream(turnstile_shared::subjects::COMPLETION_STREAM)
+        .await?;
+    let mut subjects = stream
+        .info_with_subjects(turnstile_shared::subjects::completion_session_all(s))
+        .await?;
+    let mut total = 0u64;
+    while let Some(entry) = futures::StreamExt::next(&mut subjects).await {
+        total += entry?.1 as u64;
+    }
+    Ok(total)
+}
+
+impl Stack {
+    /// Waits (on the run's KV key) until it satisfies `pred`.
+    pub async fn wait_run_state(
+        &self,
+        run: &turnstile_shared::RunId,
+        timeout: Duration,
+        pred: impl Fn(&turnstile_shared::runs::RunRecord) -> bool,
+    ) -> Result<turnstile_shared::runs::RunRecord> {
+        let kv = self.js.get_key_value(subjects::RUNS_BUCKET).await?;
+        let mut watch = kv.watch_with_history(run.as_str()).await?;
+        tokio::time::timeout(timeout, async {
+            while let Some(entry) = watch.next().await {
+                if let Ok(r) =
+                    serde_json::from_slice::<turnstile_shared::runs::RunRecord>(&entry?.value)
+                {
+                    if pred(&r) {
+                        return Ok(r);
+                    }
+                }
+            }
+            bail!("watch of run {run} ended")
+        })
+        .await
+        .with_context(|| format!("run {run} never reached the awaited state"))?
+    }
+}
