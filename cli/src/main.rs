@@ -3,6 +3,7 @@
 
 mod dev;
 mod events;
+mod hosts;
 mod mcp;
 mod runs;
 mod schedule;
@@ -42,6 +43,9 @@ enum Command {
     /// Start, inspect and list runs (a message sequence driven to completion on a session).
     #[command(subcommand)]
     Run(runs::RunCommand),
+    /// Live transport hosts and their sessions.
+    #[command(subcommand)]
+    Host(hosts::HostCommand),
     /// Follow lifecycle events (`ts.events.>`).
     Events(events::EventsArgs),
     /// Start and inspect child executions (acts with the caller's session or step token).
@@ -102,6 +106,7 @@ fn main() -> ExitCode {
             Command::Schedule(cmd) => schedule::run(&cli.nats.url, cmd).await,
             Command::Run(cmd) => runs::run(&cli.nats.url, cmd).await,
             Command::Events(args) => events::run(&cli.nats.url, args).await,
+            Command::Host(cmd) => hosts::run(&cli.nats.url, cmd).await,
             Command::Step(cmd) => steps::run(&cli.nats.url, cmd).await,
             Command::Tree { id, json } => steps::tree(&cli.nats.url, id, json).await,
             Command::Cancel { id, json } => steps::cancel(&cli.nats.url, id, json).await,

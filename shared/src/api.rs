@@ -40,6 +40,16 @@ pub struct SessionRef {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ListSessions {}
 
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ListHosts {}
+
+/// A live host (its heartbeat key has not lapsed) and the active sessions placed on it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HostView {
+    pub host: crate::records::HostRecord,
+    pub sessions: Vec<SessionId>,
+}
+
 /// A session as operators see it; `busy` and `queued` come from the lane itself (R1).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SessionView {

@@ -172,6 +172,7 @@ pub mod api {
     pub const SESSION_STOP: &str = "ts.api.session.stop";
     pub const SESSION_LIST: &str = "ts.api.session.list";
     pub const SESSION_SHOW: &str = "ts.api.session.show";
+    pub const SESSION_HOSTS: &str = "ts.api.session.hosts";
 
     /// Runs, served by session-lane: start one now, show one.
     pub const RUNS_GROUP: &str = "ts.api.runs";

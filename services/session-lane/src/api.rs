@@ -51,6 +51,7 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     endpoint!("stop", stop);
     endpoint!("list", list);
     endpoint!("show", show);
+    endpoint!("hosts", hosts);
     let runs = service.group(subjects::api::RUNS_GROUP);
     for (verb, which) in [
         ("start", 0),
@@ -700,4 +701,30 @@ async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
     .with_id(format!("{}:run.retried:{}", next.id, next.attempt));
     events::publish(&ctx.js, &ev).await.map_err(internal)?;
     Ok(next)
+}
+
+/// Live hosts with their active sessions (`turnstile host list`).
+async fn hosts(
+    ctx: Arc<Ctx>,
+    _req: turnstile_shared::api::ListHosts,
+) -> Result<Vec<turnstile_shared::api::HostView>, ApiError> {
+    let mut live = live_hosts(&ctx).await?;
+    live.sort_by(|a, b| a.name.cmp(&b.name));
+    let sessions = ctx
+        .buckets
+        .sessions
+        .values::<SessionRecord>()
+        .await
+        .map_err(internal)?;
+    Ok(live
+        .into_iter()
+        .map(|h| turnstile_shared::api::HostView {
+            sessions: sessions
+                .iter()
+                .filter(|s| s.is_active() && s.host == h.name)
+                .map(|s| s.id.clone())
+                .collect(),
+            host: h,
+        })
+        .collect())
 }

@@ -35,6 +35,11 @@ async fn dead_host(stack: &mut Stack) -> Result<()> {
     }
     let hosts: HashSet<_> = sessions.iter().map(|(_, h)| h.to_string()).collect();
     ensure!(hosts.len() == 3, "one session per host: {sessions:?}");
+    let list = host_list(stack).await?;
+    ensure!(
+        list.len() == 3 && list.iter().all(|h| h.sessions.len() == 1),
+        "host list: {list:?}"
+    );
     let mut turns = Vec::new();
     for (s, _) in &sessions {
         turns.push(stack.send(s, "a long one\n!sleep 5s").await?);
@@ -81,6 +86,16 @@ async fn dead_host(stack: &mut Stack) -> Result<()> {
         "{transcript:?}"
     );
     Ok(())
+}
+
+async fn host_list(stack: &Stack) -> Result<Vec<turnstile_shared::api::HostView>> {
+    Ok(turnstile_shared::api::call(
+        &stack.client,
+        turnstile_shared::subjects::api::SESSION_HOSTS,
+        &turnstile_shared::api::ListHosts {},
+        crate::stack::API,
+    )
+    .await?)
 }
 
 /// Issue 5, acceptance 3: the agent exits while idle. An event with evidence comes within 2 s;
