@@ -301,3 +301,49 @@ async fn plat_067(stack: &mut Stack, fail_resume: Option<&std::path::Path>) -> R
     ensure!(tree.nodes.len() == 1 && tree.nodes[0].record.status.name() == "completed");
     Ok(())
 }
+
+/// Issue 5, acceptance 5: the transport agent is SIGKILLed and restarted while its agents sit
+/// idle. It re-adopts their panes on its private tmux socket (no relaunch), and the next turns
+/// go into the same conversations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_transport_readopts_idle_agents() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = readopt(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn readopt(stack: &mut Stack) -> Result<()> {
+    let mut sessions = Vec::new();
+    for i in 0..2 {
+        let s = stack.create_session(&format!("idle-{i}"), None).await?;
+        let t = stack.send(&s, "first").await?;
+        stack.all_complete(&[t]).await?;
+        sessions.push(s);
+    }
+    let launches_before = count_ready(stack).await?;
+    stack.transports.get_mut("h1").context("h1")?.kill().await?;
+    stack.spawn_transport("h1")?;
+    for s in &sessions {
+        let t = stack.send(s, "second").await?;
+        stack.all_complete(&[t]).await?;
+        let transcript = stack.transcript(s).await?;
+        ensure!(
+            transcript == ["first", "second"],
+            "same conversation: {transcript:?}"
+        );
+    }
+    ensure!(
+        count_ready(stack).await? == launches_before,
+        "the agents were re-adopted, not launched again"
+    );
+    Ok(())
+}
+
+async fn count_ready(stack: &Stack) -> Result<usize> {
+    Ok(stack
+        .events()
+        .await?
+        .iter()
+        .filter(|e| e.kind == "terminal.ready")
+        .count())
+}
