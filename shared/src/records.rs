@@ -16,6 +16,8 @@ pub enum AgentKind {
     Mock,
     /// Completes every turn at once, in process; for benchmarks of the lane itself.
     Instant,
+    /// Claude Code headless (`claude -p` with stream-json input and output).
+    Claude,
 }
 
 impl std::str::FromStr for AgentKind {
@@ -24,8 +26,9 @@ impl std::str::FromStr for AgentKind {
         match s {
             "mock" => Ok(Self::Mock),
             "instant" => Ok(Self::Instant),
+            "claude" => Ok(Self::Claude),
             other => Err(format!(
-                "unknown agent kind {other:?} (known: mock, instant)"
+                "unknown agent kind {other:?} (known: mock, instant, claude)"
             )),
         }
     }
@@ -36,6 +39,7 @@ impl std::fmt::Display for AgentKind {
         f.write_str(match self {
             Self::Mock => "mock",
             Self::Instant => "instant",
+            Self::Claude => "claude",
         })
     }
 }
@@ -88,6 +92,8 @@ pub mod reason {
     /// The session's host stopped heartbeating while the turn waited on it.
     pub const TRANSPORT_UNAVAILABLE: &str = "transport_unavailable";
     pub const TRANSPORT_ERROR: &str = "transport_error";
+    /// The agent answered the turn with an error result (e.g. Claude's `is_error`).
+    pub const AGENT_ERROR: &str = "agent_error";
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -2,6 +2,7 @@
 //! types the turns the session lanes dispatch, and records how each turn ended.
 
 mod adapter;
+mod claude;
 mod commands;
 mod credentials;
 mod heartbeat;
@@ -34,6 +35,8 @@ pub struct Config {
     pub agent_bin: PathBuf,
     /// Where mock agents keep their conversations.
     pub mock_state_dir: PathBuf,
+    /// The Claude Code CLI the `claude` adapter runs.
+    pub claude_bin: PathBuf,
     /// R9: how long a launch or resume may take to reach a ready prompt.
     pub ready_timeout: Duration,
     /// A turn whose agent is not back at its prompt by then fails with `turn_timeout`.
@@ -48,6 +51,7 @@ impl Config {
             topology: TopologyConfig::default(),
             agent_bin: default_agent_bin(),
             mock_state_dir: data_dir.join("mock-agent"),
+            claude_bin: PathBuf::from("claude"),
             data_dir,
             ready_timeout: Duration::from_secs(120),
             turn_timeout: Duration::from_secs(3600),
@@ -142,6 +146,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         }),
     );
     adapters.insert(AgentKind::Instant, Arc::new(InstantAdapter));
+    adapters.insert(
+        AgentKind::Claude,
+        Arc::new(claude::ClaudeAdapter::new(
+            config.claude_bin.clone(),
+            config.data_dir.clone(),
+            config.nats_url.clone(),
+            config.agent_bin.clone(),
+        )),
+    );
     let worker = format!("{}/{}", config.host, uuid::Uuid::now_v7().simple());
     let ctx = Arc::new(Ctx {
         client: client.clone(),

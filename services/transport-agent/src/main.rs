@@ -32,6 +32,9 @@ struct Args {
     #[arg(long)]
     mock_state_dir: Option<PathBuf>,
     /// R9: how long a launch or resume may take to reach a ready prompt.
+    /// The Claude Code CLI for `claude` sessions.
+    #[arg(long, env = "TURNSTILE_CLAUDE_BIN", default_value = "claude")]
+    claude_bin: PathBuf,
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     ready_timeout: Duration,
     /// A turn not back at the prompt by then fails with `turn_timeout`.
@@ -55,6 +58,7 @@ async fn main() -> anyhow::Result<()> {
         config.mock_state_dir = d;
     }
     config.ready_timeout = args.ready_timeout;
+    config.claude_bin = args.claude_bin;
     config.turn_timeout = args.turn_timeout;
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());

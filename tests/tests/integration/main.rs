@@ -1,6 +1,7 @@
 //! Integration tests: a real nats-server per test, the real service binaries as processes (so
 //! faults are real SIGKILLs), real tmux and the bundled mock agent. Rules cited as R1..R15.
 
+mod adapters;
 mod bad_input;
 mod children;
 mod delivery;

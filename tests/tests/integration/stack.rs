@@ -80,6 +80,14 @@ impl Stack {
             ("TURNSTILE_TRANSPORT_ACK_WAIT", "2s".to_string()),
             ("TURNSTILE_HOST_TTL", "3s".to_string()),
             ("RUST_LOG", "info,async_nats=warn".to_string()),
+            (
+                "FAKE_CLAUDE_STATE",
+                self.dir
+                    .path()
+                    .join("fake-claude")
+                    .to_string_lossy()
+                    .into_owned(),
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -137,6 +145,8 @@ impl Stack {
             bin_path("turnstile")?.to_string_lossy().into_owned(),
             "--ready-timeout".to_string(),
             "20s".to_string(),
+            "--claude-bin".to_string(),
+            bin_path("fake-claude")?.to_string_lossy().into_owned(),
         ];
         let p = ServiceProcess::spawn_in(
             self.dir.path(),
@@ -170,8 +180,17 @@ impl Stack {
 
     /// Creates a mock-agent session, waiting for a transport host to heartbeat first.
     pub async fn create_session(&self, name: &str, host: Option<&str>) -> Result<SessionId> {
+        self.create_session_of(AgentKind::Mock, name, host).await
+    }
+
+    pub async fn create_session_of(
+        &self,
+        agent: AgentKind,
+        name: &str,
+        host: Option<&str>,
+    ) -> Result<SessionId> {
         let req = CreateSession {
-            agent: AgentKind::Mock,
+            agent,
             name: name.to_string(),
             host: host.map(|h| h.parse()).transpose()?,
             cwd: None,

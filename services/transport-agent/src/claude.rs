@@ -1,0 +1,358 @@
+//! The `claude` adapter: Claude Code headless, one long-lived
+//! `claude -p --input-format stream-json --output-format stream-json --verbose` process per
+//! session. A turn is one user message written as a JSON line; it ends at the `result` event.
+//! The conversation id is read from the latest `system/init` or `result` event and given back
+//! with `--resume` when the process has to be started again (R9). The agent reaches Turnstile
+//! through `--mcp-config` (the session's `turnstile mcp` config, credentials included).
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin};
+use tokio::sync::{mpsc, Mutex as AsyncMutex};
+use turnstile_shared::records::reason;
+use turnstile_shared::{ConversationId, SessionId};
+
+use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
+use crate::credentials::SessionFiles;
+
+/// Lines of stderr kept as evidence.
+const TAIL: usize = 20;
+/// How long a fresh process must stay up to count as started (a bad `--resume` exits at once).
+const START_GRACE: Duration = Duration::from_millis(300);
+
+pub struct ClaudeAdapter {
+    pub bin: PathBuf,
+    pub data_dir: PathBuf,
+    pub nats_url: String,
+    pub turnstile_bin: PathBuf,
+    procs: Mutex<HashMap<SessionId, Arc<AsyncMutex<Proc>>>>,
+}
+
+struct Proc {
+    child: Child,
+    stdin: ChildStdin,
+    events: mpsc::UnboundedReceiver<Value>,
+    stderr: Arc<Mutex<VecDeque<String>>>,
+    conversation: Option<ConversationId>,
+    argv: Vec<String>,
+}
+
+impl ClaudeAdapter {
+    pub fn new(bin: PathBuf, data_dir: PathBuf, nats_url: String, turnstile_bin: PathBuf) -> Self {
+        Self {
+            bin,
+            data_dir,
+            nats_url,
+            turnstile_bin,
+            procs: Mutex::default(),
+        }
+    }
+
+    fn get(&self, id: &SessionId) -> Option<Arc<AsyncMutex<Proc>>> {
+        self.procs.lock().ok().and_then(|m| m.get(id).cloned())
+    }
+
+    fn argv(&self, spec: &SessionSpec, files: &SessionFiles) -> Vec<String> {
+        let mut argv: Vec<String> = [
+            "-p",
+            "--input-format",
+            "stream-json",
+            "--output-format",
+            "stream-json",
+            "--verbose",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if let Some(c) = &spec.conversation {
+            argv.push("--resume".into());
+            argv.push(c.to_string());
+        }
+        argv.push("--mcp-config".into());
+        argv.push(files.mcp.to_string_lossy().into_owned());
+        argv
+    }
+
+    async fn launch(&self, spec: &SessionSpec) -> Result<Arc<AsyncMutex<Proc>>, Unavailable> {
+        let files = SessionFiles::at(&self.data_dir, spec);
+        files
+            .write(spec, &self.nats_url, &self.turnstile_bin)
+            .map_err(|e| unavailable(format!("write credentials: {e}"), Vec::new()))?;
+        let argv = self.argv(spec, &files);
+        let cwd = spec.cwd.clone().unwrap_or_else(|| self.data_dir.clone());
+        let command_line = format!("{} {}", self.bin.display(), argv.join(" "));
+        let mut child = tokio::process::Command::new(&self.bin)
+            .args(&argv)
+            .current_dir(&cwd)
+            // Credentials in the environment, never on the command line.
+            .env("TURNSTILE_SESSION", spec.id.as_str())
+            .env("TURNSTILE_TOKEN", &spec.token)
+            .env("TURNSTILE_NATS_URL", &self.nats_url)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| unavailable(format!("start `{command_line}`: {e}"), Vec::new()))?;
+        let (Some(stdin), Some(stdout), Some(stderr)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            return Err(unavailable(
+                format!("`{command_line}` has no pipes"),
+                Vec::new(),
+            ));
+        };
+        let (tx, events) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    if tx.send(v).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
+        let keep = tail.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Ok(mut t) = keep.lock() {
+                    if t.len() == TAIL {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            }
+        });
+        // A resume of an unknown conversation exits at once: give it a moment to.
+        tokio::time::sleep(START_GRACE).await;
+        if let Ok(Some(status)) = child.try_wait() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let lines = tail
+                .lock()
+                .map(|t| t.iter().cloned().collect())
+                .unwrap_or_default();
+            return Err(unavailable(
+                format!("`{command_line}` exited at start ({status})"),
+                lines,
+            ));
+        }
+        let proc = Arc::new(AsyncMutex::new(Proc {
+            child,
+            stdin,
+            events,
+            stderr: tail,
+            conversation: spec.conversation.clone(),
+            argv: std::iter::once(self.bin.to_string_lossy().into_owned())
+                .chain(argv)
+                .collect(),
+        }));
+        if let Ok(mut m) = self.procs.lock() {
+            m.insert(spec.id.clone(), proc.clone());
+        }
+        Ok(proc)
+    }
+}
+
+fn unavailable(detail: String, last_lines: Vec<String>) -> Unavailable {
+    Unavailable { detail, last_lines }
+}
+
+/// The session id an event carries (`system/init` and `result` do).
+fn session_of(v: &Value) -> Option<ConversationId> {
+    v.get("session_id")?.as_str()?.parse().ok()
+}
+
+async fn turn(proc: &mut Proc, text: &str, timeout: Duration) -> TurnEnd {
+    let line = json!({
+        "type": "user",
+        "message": {"role": "user", "content": [{"type": "text", "text": text}]},
+    });
+    let write = async {
+        proc.stdin.write_all(format!("{line}\n").as_bytes()).await?;
+        proc.stdin.flush().await
+    };
+    if let Err(e) = write.await {
+        return exited(proc, format!("write the message: {e}")).await;
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut said: Vec<String> = Vec::new();
+    loop {
+        let event = match tokio::time::timeout_at(deadline, proc.events.recv()).await {
+            Err(_) => {
+                return TurnEnd::Failed {
+                    reason: reason::TURN_TIMEOUT,
+                    detail: format!("no result within {timeout:?}"),
+                    output: said,
+                }
+            }
+            Ok(None) => {
+                return exited(proc, "its output ended before the turn's result".into()).await
+            }
+            Ok(Some(v)) => v,
+        };
+        if let Some(c) = session_of(&event) {
+            proc.conversation = Some(c);
+        }
+        match event.get("type").and_then(Value::as_str) {
+            Some("assistant") => said.extend(text_of(&event)),
+            Some("result") => {
+                let result = event
+                    .get("result")
+                    .and_then(Value::as_str)
+                    .map(str::to_string);
+                let is_error = event
+                    .get("is_error")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                let subtype = event
+                    .get("subtype")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string();
+                let mut output = said;
+                if let Some(r) = result {
+                    output.extend(r.lines().map(str::to_string));
+                }
+                let skip = output.len().saturating_sub(TAIL);
+                let output: Vec<String> = output.into_iter().skip(skip).collect();
+                return if is_error || subtype != "success" {
+                    TurnEnd::Failed {
+                        reason: reason::AGENT_ERROR,
+                        detail: format!("claude result {subtype:?} (is_error: {is_error})"),
+                        output,
+                    }
+                } else {
+                    TurnEnd::Completed { output }
+                };
+            }
+            _ => {}
+        }
+    }
+}
+
+fn text_of(v: &Value) -> Vec<String> {
+    v.pointer("/message/content")
+        .and_then(Value::as_array)
+        .map(|parts| {
+            parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .flat_map(|t| t.lines().map(str::to_string).collect::<Vec<_>>())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The process ended mid-turn: its exit status and the tail of its stderr are the evidence.
+async fn exited(proc: &mut Proc, what: String) -> TurnEnd {
+    let status = tokio::time::timeout(Duration::from_secs(2), proc.child.wait())
+        .await
+        .ok()
+        .and_then(|s| s.ok())
+        .map_or("unknown".to_string(), |s| s.to_string());
+    let output = proc
+        .stderr
+        .lock()
+        .map(|t| t.iter().cloned().collect())
+        .unwrap_or_default();
+    TurnEnd::Failed {
+        reason: reason::AGENT_EXITED,
+        detail: format!("`{}`: {what} (exit {status})", proc.argv.join(" ")),
+        output,
+    }
+}
+
+impl Adapter for ClaudeAdapter {
+    fn ensure_ready<'a>(
+        &'a self,
+        spec: &'a SessionSpec,
+        _timeout: Duration,
+    ) -> BoxFuture<'a, Result<Ready, Unavailable>> {
+        Box::pin(async move {
+            if let Some(p) = self.get(&spec.id) {
+                let mut proc = p.lock().await;
+                if matches!(proc.child.try_wait(), Ok(None)) {
+                    return Ok(Ready {
+                        conversation: proc
+                            .conversation
+                            .clone()
+                            .or_else(|| spec.conversation.clone()),
+                        launched: false,
+                    });
+                }
+            }
+            // Gone (or never started): one launch, resuming the conversation when known (R9).
+            let p = self.launch(spec).await?;
+            let proc = p.lock().await;
+            Ok(Ready {
+                conversation: proc.conversation.clone(),
+                launched: true,
+            })
+        })
+    }
+
+    fn mark<'a>(&'a self, _spec: &'a SessionSpec) -> BoxFuture<'a, Result<Option<i64>, TurnEnd>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    fn run_turn<'a>(
+        &'a self,
+        spec: &'a SessionSpec,
+        text: &'a str,
+        _mark: Option<i64>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, TurnEnd> {
+        Box::pin(async move {
+            let Some(p) = self.get(&spec.id) else {
+                return TurnEnd::Failed {
+                    reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
+                    detail: format!("no claude process for {}", spec.id),
+                    output: Vec::new(),
+                };
+            };
+            let mut proc = p.lock().await;
+            turn(&mut proc, text, timeout).await
+        })
+    }
+
+    /// The process went with the transport that ran it; whether the message was taken is not
+    /// knowable, so the turn is never typed again (R14): it fails, and the conversation is
+    /// resumed at the next turn.
+    fn await_turn<'a>(
+        &'a self,
+        _spec: &'a SessionSpec,
+        _mark: Option<i64>,
+        _timeout: Duration,
+    ) -> BoxFuture<'a, Adopted> {
+        Box::pin(async {
+            Adopted::Ended(TurnEnd::Failed {
+                reason: reason::AGENT_EXITED,
+                detail: "the transport restarted mid-turn and its claude process went with it; \
+                         the next turn resumes the conversation"
+                    .to_string(),
+                output: Vec::new(),
+            })
+        })
+    }
+
+    fn stop<'a>(&'a self, spec: &'a SessionSpec) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let p = self.procs.lock().ok().and_then(|mut m| m.remove(&spec.id));
+            if let Some(p) = p {
+                let mut proc = p.lock().await;
+                let _ = proc.child.kill().await;
+            }
+            SessionFiles::at(&self.data_dir, spec).remove();
+        })
+    }
+}
