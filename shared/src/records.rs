@@ -18,6 +18,8 @@ pub enum AgentKind {
     Instant,
     /// Claude Code headless (`claude -p` with stream-json input and output).
     Claude,
+    /// Codex CLI (`codex exec --json`, one process per turn).
+    Codex,
 }
 
 impl std::str::FromStr for AgentKind {
@@ -27,8 +29,9 @@ impl std::str::FromStr for AgentKind {
             "mock" => Ok(Self::Mock),
             "instant" => Ok(Self::Instant),
             "claude" => Ok(Self::Claude),
+            "codex" => Ok(Self::Codex),
             other => Err(format!(
-                "unknown agent kind {other:?} (known: mock, instant, claude)"
+                "unknown agent kind {other:?} (known: mock, instant, claude, codex)"
             )),
         }
     }
@@ -40,6 +43,7 @@ impl std::fmt::Display for AgentKind {
             Self::Mock => "mock",
             Self::Instant => "instant",
             Self::Claude => "claude",
+            Self::Codex => "codex",
         })
     }
 }

@@ -3,6 +3,7 @@
 
 mod adapter;
 mod claude;
+mod codex;
 mod commands;
 mod credentials;
 mod heartbeat;
@@ -37,6 +38,8 @@ pub struct Config {
     pub mock_state_dir: PathBuf,
     /// The Claude Code CLI the `claude` adapter runs.
     pub claude_bin: PathBuf,
+    /// The Codex CLI the `codex` adapter runs.
+    pub codex_bin: PathBuf,
     /// R9: how long a launch or resume may take to reach a ready prompt.
     pub ready_timeout: Duration,
     /// A turn whose agent is not back at its prompt by then fails with `turn_timeout`.
@@ -52,6 +55,7 @@ impl Config {
             agent_bin: default_agent_bin(),
             mock_state_dir: data_dir.join("mock-agent"),
             claude_bin: PathBuf::from("claude"),
+            codex_bin: PathBuf::from("codex"),
             data_dir,
             ready_timeout: Duration::from_secs(120),
             turn_timeout: Duration::from_secs(3600),
@@ -153,6 +157,14 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
             config.data_dir.clone(),
             config.nats_url.clone(),
             config.agent_bin.clone(),
+        )),
+    );
+    adapters.insert(
+        AgentKind::Codex,
+        Arc::new(codex::CodexAdapter::new(
+            config.codex_bin.clone(),
+            config.data_dir.clone(),
+            config.nats_url.clone(),
         )),
     );
     let worker = format!("{}/{}", config.host, uuid::Uuid::now_v7().simple());

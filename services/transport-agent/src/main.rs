@@ -35,6 +35,9 @@ struct Args {
     /// The Claude Code CLI for `claude` sessions.
     #[arg(long, env = "TURNSTILE_CLAUDE_BIN", default_value = "claude")]
     claude_bin: PathBuf,
+    /// The Codex CLI for `codex` sessions.
+    #[arg(long, env = "TURNSTILE_CODEX_BIN", default_value = "codex")]
+    codex_bin: PathBuf,
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     ready_timeout: Duration,
     /// A turn not back at the prompt by then fails with `turn_timeout`.
@@ -59,6 +62,7 @@ async fn main() -> anyhow::Result<()> {
     }
     config.ready_timeout = args.ready_timeout;
     config.claude_bin = args.claude_bin;
+    config.codex_bin = args.codex_bin;
     config.turn_timeout = args.turn_timeout;
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());

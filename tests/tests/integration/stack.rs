@@ -88,6 +88,14 @@ impl Stack {
                     .to_string_lossy()
                     .into_owned(),
             ),
+            (
+                "FAKE_CODEX_STATE",
+                self.dir
+                    .path()
+                    .join("fake-codex")
+                    .to_string_lossy()
+                    .into_owned(),
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -147,6 +155,8 @@ impl Stack {
             "20s".to_string(),
             "--claude-bin".to_string(),
             bin_path("fake-claude")?.to_string_lossy().into_owned(),
+            "--codex-bin".to_string(),
+            bin_path("fake-codex")?.to_string_lossy().into_owned(),
         ];
         let p = ServiceProcess::spawn_in(
             self.dir.path(),
