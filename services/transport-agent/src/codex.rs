@@ -119,13 +119,12 @@ impl CodexAdapter {
                             m.insert(spec.id.clone(), id);
                         }
                     }
-                    Some("item.completed") => {
+                    Some("item.completed")
                         if event.pointer("/item/type").and_then(Value::as_str)
-                            == Some("agent_message")
-                        {
-                            if let Some(t) = event.pointer("/item/text").and_then(Value::as_str) {
-                                said.extend(t.lines().map(str::to_string));
-                            }
+                            == Some("agent_message") =>
+                    {
+                        if let Some(t) = event.pointer("/item/text").and_then(Value::as_str) {
+                            said.extend(t.lines().map(str::to_string));
                         }
                     }
                     Some("turn.completed") => return Some(Ok(())),
