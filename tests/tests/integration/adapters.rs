@@ -1,5 +1,5 @@
 //! Agent adapters against fake CLIs that speak the real protocols (issue 5, acceptance 6):
-//! a turn, a resume, a mid-turn crash, an error result.
+//! a turn, an error result, a mid-turn crash, and a resume in the same conversation.
 
 use std::time::Duration;
 
@@ -11,24 +11,33 @@ use crate::stack::{report, Stack};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claude_adapter_runs_turns_survives_a_crash_and_resumes() -> Result<()> {
     let mut stack = Stack::start(&["a"], &["h1"]).await?;
-    let r = claude(&mut stack).await;
+    let r = scenario(&mut stack, AgentKind::Claude, "fake-claude").await;
     report(&stack, r)
 }
 
-async fn claude(stack: &mut Stack) -> Result<()> {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_adapter_runs_turns_survives_a_crash_and_resumes() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = scenario(&mut stack, AgentKind::Codex, "fake-codex").await;
+    report(&stack, r)
+}
+
+/// The same four turns against either CLI. `fake_dir` is where its fake keeps conversations
+/// (one `<conversation>.jsonl` each).
+async fn scenario(stack: &mut Stack, agent: AgentKind, fake_dir: &str) -> Result<()> {
     let s = stack
-        .create_session_of(AgentKind::Claude, "claude", None)
+        .create_session_of(agent, &agent.to_string(), None)
         .await?;
-    // A turn: one stream-json message in, ends at its `result`.
-    let t1 = stack.send(&s, "hello claude").await?;
+    // A turn: one message in, ends at the CLI's own end-of-turn event.
+    let t1 = stack.send(&s, "hello agent").await?;
     let r1 = stack.wait_turn(&t1, Duration::from_secs(20)).await?;
     match &r1.state {
         TurnState::Completed { output, .. } => {
-            ensure!(output.iter().any(|l| l == "ok: hello claude"), "{output:?}")
+            ensure!(output.iter().any(|l| l == "ok: hello agent"), "{output:?}")
         }
         other => anyhow::bail!("first turn: {other:?}"),
     }
-    // An error result fails the turn with a named reason; the process lives on.
+    // An error result fails the turn with a named reason.
     let t2 = stack.send(&s, "please !fail").await?;
     let r2 = stack.wait_turn(&t2, Duration::from_secs(20)).await?;
     ensure!(
@@ -36,7 +45,7 @@ async fn claude(stack: &mut Stack) -> Result<()> {
         "{:?}",
         r2.state
     );
-    // A crash mid-turn: the turn fails `agent_exited` with the exit status and stderr.
+    // A crash mid-turn: `agent_exited`, with the exit status and stderr as evidence.
     let t3 = stack.send(&s, "now !crash").await?;
     let r3 = stack.wait_turn(&t3, Duration::from_secs(20)).await?;
     match &r3.state {
@@ -55,7 +64,7 @@ async fn claude(stack: &mut Stack) -> Result<()> {
         }
         other => anyhow::bail!("crash turn: {other:?}"),
     }
-    // The next turn resumes the same conversation (`--resume <session_id>`).
+    // The next turn resumes the same conversation.
     let t4 = stack.send(&s, "are you back").await?;
     let r4 = stack.wait_turn(&t4, Duration::from_secs(20)).await?;
     ensure!(
@@ -67,102 +76,18 @@ async fn claude(stack: &mut Stack) -> Result<()> {
         .session_record(&s)
         .await?
         .conversation
-        .context("the conversation id was learnt from the stream")?;
-    let file = stack
-        .dir
-        .path()
-        .join("fake-claude")
-        .join(format!("{conversation}.jsonl"));
-    let messages: Vec<String> = std::fs::read_to_string(&file)?
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["message"].as_str().map(str::to_string))
-        .collect();
-    ensure!(
-        messages == ["hello claude", "please !fail", "now !crash", "are you back"],
-        "one conversation across the crash: {messages:?}"
-    );
-    Ok(())
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn codex_adapter_runs_turns_survives_a_crash_and_resumes() -> Result<()> {
-    let mut stack = Stack::start(&["a"], &["h1"]).await?;
-    let r = codex(&mut stack).await;
-    report(&stack, r)
-}
-
-async fn codex(stack: &mut Stack) -> Result<()> {
-    let s = stack
-        .create_session_of(AgentKind::Codex, "codex", None)
-        .await?;
-    let t1 = stack.send(&s, "hello codex").await?;
-    let r1 = stack.wait_turn(&t1, Duration::from_secs(20)).await?;
-    match &r1.state {
-        TurnState::Completed { output, .. } => {
-            ensure!(output.iter().any(|l| l == "ok: hello codex"), "{output:?}")
-        }
-        other => anyhow::bail!("first turn: {other:?}"),
-    }
-    // `turn.failed` fails the turn with a named reason.
-    let t2 = stack.send(&s, "please !fail").await?;
-    let r2 = stack.wait_turn(&t2, Duration::from_secs(20)).await?;
-    ensure!(
-        matches!(&r2.state, TurnState::Failed { reason, detail, .. } if reason == "agent_error" && detail.contains("refused")),
-        "{:?}",
-        r2.state
-    );
-    // A process that dies mid-turn: `agent_exited` with its exit status and stderr.
-    let t3 = stack.send(&s, "now !crash").await?;
-    let r3 = stack.wait_turn(&t3, Duration::from_secs(20)).await?;
-    match &r3.state {
-        TurnState::Failed {
-            reason,
-            detail,
-            output,
-            ..
-        } => {
-            ensure!(reason == "agent_exited", "{reason}");
-            ensure!(detail.contains("exit"), "{detail}");
-            ensure!(
-                output.iter().any(|l| l.contains("crashed on purpose")),
-                "{output:?}"
-            );
-        }
-        other => anyhow::bail!("crash turn: {other:?}"),
-    }
-    // Every turn after the first resumes the thread: one conversation throughout.
-    let t4 = stack.send(&s, "are you back").await?;
-    let r4 = stack.wait_turn(&t4, Duration::from_secs(20)).await?;
-    ensure!(
-        matches!(r4.state, TurnState::Completed { .. }),
-        "{:?}",
-        r4.state
-    );
-    let thread = stack
-        .session_record(&s)
-        .await?
-        .conversation
-        .context("the thread id was learnt from thread.started")?;
-    let file = stack
-        .dir
-        .path()
-        .join("fake-codex")
-        .join(format!("{thread}.jsonl"));
-    let listing = || {
-        std::fs::read_dir(stack.dir.path().join("fake-codex"))
-            .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
-            .unwrap_or_default()
-    };
+        .context("the conversation id was learnt from the CLI's events")?;
+    let dir = stack.dir.path().join(fake_dir);
+    let file = dir.join(format!("{conversation}.jsonl"));
     let messages: Vec<String> = std::fs::read_to_string(&file)
-        .with_context(|| format!("read {file:?}; the state dir holds {:?}", listing()))?
+        .with_context(|| format!("read {file:?}"))?
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter_map(|v| v["message"].as_str().map(str::to_string))
         .collect();
     ensure!(
-        messages == ["hello codex", "please !fail", "now !crash", "are you back"],
-        "one thread: {messages:?}"
+        messages == ["hello agent", "please !fail", "now !crash", "are you back"],
+        "one conversation across the crash: {messages:?}"
     );
     Ok(())
 }
