@@ -74,6 +74,7 @@ pub async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Ve
             host: None,
             cwd: None,
             id: None,
+            launch: None,
         };
         let mut tries = 0;
         let rec = loop {

@@ -132,6 +132,7 @@ async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
         host: None,
         cwd: None,
         id: None,
+        launch: None,
     };
     // The transport's first heartbeat may not be in yet.
     let mut session: Option<SessionRecord> = None;

@@ -79,6 +79,7 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
                 host,
                 cwd: cwd.map(|p| p.to_string_lossy().into_owned()),
                 id: None,
+                launch: None,
             };
             let rec: SessionRecord =
                 api::call(&client, subj::SESSION_CREATE, &req, API_TIMEOUT).await?;

@@ -21,6 +21,9 @@ pub struct CreateSession {
     /// name returns the session.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<SessionId>,
+    /// Required for agent `tmux`: the CLI to run and its ready (and busy) text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launch: Option<crate::records::LaunchSpec>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

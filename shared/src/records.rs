@@ -20,6 +20,8 @@ pub enum AgentKind {
     Claude,
     /// Codex CLI (`codex exec --json`, one process per turn).
     Codex,
+    /// Any interactive CLI in a tmux pane, described by the session's `launch`.
+    Tmux,
 }
 
 impl std::str::FromStr for AgentKind {
@@ -30,8 +32,9 @@ impl std::str::FromStr for AgentKind {
             "instant" => Ok(Self::Instant),
             "claude" => Ok(Self::Claude),
             "codex" => Ok(Self::Codex),
+            "tmux" => Ok(Self::Tmux),
             other => Err(format!(
-                "unknown agent kind {other:?} (known: mock, instant, claude, codex)"
+                "unknown agent kind {other:?} (known: mock, instant, claude, codex, tmux)"
             )),
         }
     }
@@ -44,8 +47,22 @@ impl std::fmt::Display for AgentKind {
             Self::Instant => "instant",
             Self::Claude => "claude",
             Self::Codex => "codex",
+            Self::Tmux => "tmux",
         })
     }
+}
+
+/// How the generic `tmux` adapter runs a session's CLI.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LaunchSpec {
+    /// The command and its arguments (no shell).
+    pub argv: Vec<String>,
+    /// The text the cursor line ends with when the CLI waits for input (its prompt).
+    pub ready: String,
+    /// Text shown somewhere on screen while the CLI works (a spinner's label); while it is
+    /// on screen the CLI is not ready, whatever the cursor line says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busy: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -62,6 +79,9 @@ pub struct SessionRecord {
     /// The agent's own conversation id, learnt by the transport after launch (for resume).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conversation: Option<ConversationId>,
+    /// For `tmux` sessions: what to run and how to tell it is ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launch: Option<LaunchSpec>,
     #[serde(flatten)]
     pub state: SessionState,
 }

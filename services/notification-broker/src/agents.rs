@@ -118,6 +118,7 @@ async fn start_agent(ctx: &Ctx, item: &StepWorkItem) -> Result<(), AgentError> {
         host: Some(host.clone()),
         cwd: parent_session.cwd.clone(),
         id: Some(session.clone()),
+        launch: None,
     };
     let _: SessionRecord =
         api::call(&ctx.client, subjects::api::SESSION_CREATE, &create, API).await?;

@@ -15,8 +15,8 @@ use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, kind, session_event};
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::{
-    reason, transport_kind, HostRecord, LaneItem, SessionRecord, SessionState, StartCommand,
-    StopCommand, TurnItem, TurnRecord, TurnState,
+    reason, transport_kind, AgentKind, HostRecord, LaneItem, SessionRecord, SessionState,
+    StartCommand, StopCommand, TurnItem, TurnRecord, TurnState,
 };
 use turnstile_shared::runs::{RunItem, RunRecord, RunRef, RunState, StartRun};
 use turnstile_shared::{subjects, topology, HostName, SessionId, TurnId};
@@ -148,6 +148,20 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
             )));
         }
     }
+    match (&req.agent, &req.launch) {
+        (AgentKind::Tmux, None) => {
+            return Err(ApiError::bad_request(
+                "a tmux session needs `launch`: the command (argv) and its ready text",
+            ))
+        }
+        (AgentKind::Tmux, Some(l)) if l.argv.is_empty() || l.ready.is_empty() => {
+            return Err(ApiError::bad_request(
+                "launch needs a non-empty argv and ready text",
+            ))
+        }
+        (AgentKind::Tmux, Some(_)) | (_, None) => {}
+        (_, Some(_)) => return Err(ApiError::bad_request("`launch` is only for agent tmux")),
+    }
     let host = place(&ctx, req.host).await?;
     let record = SessionRecord {
         id: req.id.clone().unwrap_or_default(),
@@ -158,6 +172,7 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
         token: turnstile_shared::ids::new_secret(),
         created_at: Utc::now(),
         conversation: None,
+        launch: req.launch.clone(),
         state: SessionState::Active,
     };
     // The consumer first: a replica that sees the record starts pulling from it at once.

@@ -16,6 +16,8 @@ pub struct SessionSpec {
     pub cwd: Option<PathBuf>,
     pub conversation: Option<ConversationId>,
     pub token: String,
+    /// For the generic `tmux` adapter: what to run and its ready/busy text.
+    pub launch: Option<turnstile_shared::records::LaunchSpec>,
 }
 
 /// The agent is at its ready prompt.

@@ -111,6 +111,7 @@ async fn spec_for(ctx: &Ctx, session: &SessionId) -> Option<(SessionSpec, bool)>
         cwd: record.cwd.map(Into::into),
         conversation: record.conversation,
         token: record.token,
+        launch: record.launch,
     };
     if active {
         if let Ok(mut map) = ctx.sessions.lock() {

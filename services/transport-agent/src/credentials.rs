@@ -118,6 +118,7 @@ mod tests {
             cwd: None,
             conversation: None,
             token: "tok_s3cret".into(),
+            launch: None,
         };
         let files = SessionFiles::at(&dir, &spec);
         files

@@ -6,6 +6,7 @@ mod claude;
 mod codex;
 mod commands;
 mod credentials;
+mod generic;
 mod heartbeat;
 mod mock;
 mod steps;
@@ -127,6 +128,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     std::fs::create_dir_all(&config.mock_state_dir).map_err(dir_err)?;
     let tmux = tmux::Tmux::new(&config.data_dir).map_err(dir_err)?;
     let watched = tmux.clone();
+    let generic_tmux = tmux.clone();
     let Connected {
         client,
         js,
@@ -158,6 +160,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
             config.nats_url.clone(),
             config.agent_bin.clone(),
         )),
+    );
+    adapters.insert(
+        AgentKind::Tmux,
+        Arc::new(generic::GenericAdapter {
+            tmux: generic_tmux,
+            data_dir: config.data_dir.clone(),
+            nats_url: config.nats_url.clone(),
+            turnstile_bin: config.agent_bin.clone(),
+        }),
     );
     adapters.insert(
         AgentKind::Codex,

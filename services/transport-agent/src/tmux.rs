@@ -297,6 +297,27 @@ impl Tmux {
     }
 }
 
+impl Tmux {
+    /// Pastes literal text (a bracketed paste: several lines stay one message), without Enter.
+    pub async fn paste(&self, name: &str, buffer: &str, text: &str) -> Result<(), TmuxError> {
+        self.run(&["load-buffer", "-b", buffer, "-"], Some(text.as_bytes()))
+            .await?;
+        let target = pane(name);
+        self.run(
+            &["paste-buffer", "-p", "-d", "-b", buffer, "-t", &target],
+            None,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    pub async fn press_enter(&self, name: &str) -> Result<(), TmuxError> {
+        self.run(&["send-keys", "-t", &pane(name), "Enter"], None)
+            .await
+            .map(|_| ())
+    }
+}
+
 fn exact(name: &str) -> String {
     format!("={name}")
 }

@@ -91,3 +91,87 @@ async fn scenario(stack: &mut Stack, agent: AgentKind, fake_dir: &str) -> Result
     );
     Ok(())
 }
+
+/// The generic `tmux` adapter runs any interactive CLI from the session's `launch` (here the
+/// bundled mock agent, recognised only by its prompt text and its busy text): turns go in
+/// by paste then Enter and end when the prompt is back; a dead pane is relaunched once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generic_tmux_adapter_drives_any_cli_by_its_prompt() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = generic(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn generic(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::api::{self, CreateSession};
+    use turnstile_shared::records::{LaunchSpec, SessionRecord};
+    let state = stack.dir.path().join("generic-cli");
+    let launch = LaunchSpec {
+        argv: vec![
+            turnstile_tests::bin_path("turnstile")?
+                .to_string_lossy()
+                .into_owned(),
+            "mock-agent".into(),
+            "--state-dir".into(),
+            state.to_string_lossy().into_owned(),
+        ],
+        ready: "❯".into(),
+        busy: Some("working…".into()),
+    };
+    let req = CreateSession {
+        agent: AgentKind::Tmux,
+        name: "any-cli".into(),
+        host: None,
+        cwd: None,
+        id: None,
+        launch: Some(launch),
+    };
+    let client = stack.client.clone();
+    let s = turnstile_tests::wait_until("create", Duration::from_secs(20), || {
+        let req = req.clone();
+        let client = client.clone();
+        async move {
+            match api::call::<_, SessionRecord>(
+                &client,
+                turnstile_shared::subjects::api::SESSION_CREATE,
+                &req,
+                crate::stack::API,
+            )
+            .await
+            {
+                Ok(r) => Ok(Some(r.id)),
+                Err(e) if e.code == "no_host" => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        }
+    })
+    .await?;
+    let t1 = stack
+        .send(&s, "hello generic\n!sleep 700ms\n!reply two\n!reply lines")
+        .await?;
+    let r1 = stack.wait_turn(&t1, Duration::from_secs(20)).await?;
+    match &r1.state {
+        TurnState::Completed { output, .. } => {
+            ensure!(output.iter().any(|l| l.contains("two")), "{output:?}");
+            ensure!(output.iter().any(|l| l.contains("lines")), "{output:?}");
+        }
+        other => anyhow::bail!("first turn: {other:?}"),
+    }
+    // The CLI exits mid-turn: `agent_exited`, naming the exit.
+    let t2 = stack.send(&s, "!exit 4").await?;
+    let r2 = stack.wait_turn(&t2, Duration::from_secs(20)).await?;
+    ensure!(
+        matches!(&r2.state, TurnState::Failed { reason, detail, .. } if reason == "agent_exited" && detail.contains("exited")),
+        "{:?}",
+        r2.state
+    );
+    // The next turn relaunches it once and goes through.
+    let t3 = stack.send(&s, "again").await?;
+    let r3 = stack.wait_turn(&t3, Duration::from_secs(20)).await?;
+    ensure!(
+        matches!(r3.state, TurnState::Completed { .. }),
+        "{:?}",
+        r3.state
+    );
+    Ok(())
+}

@@ -205,6 +205,7 @@ impl Stack {
             host: host.map(|h| h.parse()).transpose()?,
             cwd: None,
             id: None,
+            launch: None,
         };
         let rec: SessionRecord = wait_until("session create", Duration::from_secs(20), || {
             let req = req.clone();
