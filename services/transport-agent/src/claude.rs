@@ -40,6 +40,7 @@ struct Proc {
     stdin: ChildStdin,
     events: mpsc::UnboundedReceiver<Value>,
     stderr: Arc<Mutex<VecDeque<String>>>,
+    stderr_reader: Option<tokio::task::JoinHandle<()>>,
     conversation: Option<ConversationId>,
     argv: Vec<String>,
 }
@@ -122,7 +123,7 @@ impl ClaudeAdapter {
         });
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
         let keep = tail.clone();
-        tokio::spawn(async move {
+        let stderr_reader = tokio::spawn(async move {
             let mut lines = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = lines.next_line().await {
                 if let Ok(mut t) = keep.lock() {
@@ -135,8 +136,9 @@ impl ClaudeAdapter {
         });
         // A resume of an unknown conversation exits at once: give it a moment to.
         tokio::time::sleep(START_GRACE).await;
+        let mut stderr_reader = stderr_reader;
         if let Ok(Some(status)) = child.try_wait() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            let _ = tokio::time::timeout(Duration::from_secs(2), &mut stderr_reader).await;
             let lines = tail
                 .lock()
                 .map(|t| t.iter().cloned().collect())
@@ -151,6 +153,7 @@ impl ClaudeAdapter {
             stdin,
             events,
             stderr: tail,
+            stderr_reader: Some(stderr_reader),
             conversation: spec.conversation.clone(),
             argv: std::iter::once(self.bin.to_string_lossy().into_owned())
                 .chain(argv)
@@ -260,6 +263,10 @@ async fn exited(proc: &mut Proc, what: String) -> TurnEnd {
         .ok()
         .and_then(|s| s.ok())
         .map_or("unknown".to_string(), |s| s.to_string());
+    // Its stderr is read to the end before it is used as evidence.
+    if let Some(r) = proc.stderr_reader.take() {
+        let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
+    }
     let output = proc
         .stderr
         .lock()

@@ -81,9 +81,10 @@ impl CodexAdapter {
             }
         };
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
+        let mut stderr_reader = None;
         if let Some(err) = child.stderr.take() {
             let keep = tail.clone();
-            tokio::spawn(async move {
+            stderr_reader = Some(tokio::spawn(async move {
                 let mut lines = BufReader::new(err).lines();
                 while let Ok(Some(l)) = lines.next_line().await {
                     if let Ok(mut t) = keep.lock() {
@@ -93,7 +94,7 @@ impl CodexAdapter {
                         t.push_back(l);
                     }
                 }
-            });
+            }));
         }
         let Some(out) = child.stdout.take() else {
             return TurnEnd::Failed {
@@ -157,6 +158,10 @@ impl CodexAdapter {
             .ok()
             .and_then(|s| s.ok())
             .map_or("unknown".to_string(), |s| s.to_string());
+        // Its stderr is read to the end before it is used as evidence.
+        if let Some(r) = stderr_reader {
+            let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
+        }
         let skip = said.len().saturating_sub(TAIL);
         let said: Vec<String> = said.into_iter().skip(skip).collect();
         let stderr = || {
