@@ -75,6 +75,7 @@ pub async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Ve
             cwd: None,
             id: None,
             launch: None,
+            ready_timeout_ms: None,
         };
         let mut tries = 0;
         let rec = loop {

@@ -133,6 +133,7 @@ async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
         cwd: None,
         id: None,
         launch: None,
+        ready_timeout_ms: None,
     };
     // The transport's first heartbeat may not be in yet.
     let mut session: Option<SessionRecord> = None;

@@ -28,6 +28,10 @@ pub enum SessionCommand {
         host: Option<HostName>,
         #[arg(long)]
         cwd: Option<PathBuf>,
+        /// How long a launch or resume may take to reach a ready prompt (R9); the host's
+        /// `--ready-timeout` when absent.
+        #[arg(long, value_parser = parse_duration)]
+        ready_timeout: Option<Duration>,
         #[arg(long)]
         json: bool,
     },
@@ -70,6 +74,7 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
             name,
             host,
             cwd,
+            ready_timeout,
             json,
         } => {
             let cwd = cwd.map(|p| std::path::absolute(&p).unwrap_or(p));
@@ -80,6 +85,7 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
                 cwd: cwd.map(|p| p.to_string_lossy().into_owned()),
                 id: None,
                 launch: None,
+                ready_timeout_ms: ready_timeout.map(|d| d.as_millis() as u64),
             };
             let rec: SessionRecord =
                 api::call(&client, subj::SESSION_CREATE, &req, API_TIMEOUT).await?;

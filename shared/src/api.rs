@@ -24,6 +24,10 @@ pub struct CreateSession {
     /// Required for agent `tmux`: the CLI to run and its ready (and busy) text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launch: Option<crate::records::LaunchSpec>,
+    /// How long a launch or resume of this session's agent may take to reach a ready prompt
+    /// (R9); the transport's `--ready-timeout` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

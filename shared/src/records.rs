@@ -82,6 +82,9 @@ pub struct SessionRecord {
     /// For `tmux` sessions: what to run and how to tell it is ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launch: Option<LaunchSpec>,
+    /// This session's R9 ready timeout, overriding the transport's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_timeout_ms: Option<u64>,
     #[serde(flatten)]
     pub state: SessionState,
 }

@@ -119,6 +119,7 @@ async fn start_agent(ctx: &Ctx, item: &StepWorkItem) -> Result<(), AgentError> {
         cwd: parent_session.cwd.clone(),
         id: Some(session.clone()),
         launch: None,
+        ready_timeout_ms: None,
     };
     let _: SessionRecord =
         api::call(&ctx.client, subjects::api::SESSION_CREATE, &create, API).await?;

@@ -173,6 +173,7 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
         created_at: Utc::now(),
         conversation: None,
         launch: req.launch.clone(),
+        ready_timeout_ms: req.ready_timeout_ms,
         state: SessionState::Active,
     };
     // The consumer first: a replica that sees the record starts pulling from it at once.

@@ -18,6 +18,8 @@ pub struct SessionSpec {
     pub token: String,
     /// For the generic `tmux` adapter: what to run and its ready/busy text.
     pub launch: Option<turnstile_shared::records::LaunchSpec>,
+    /// The session's own ready timeout (R9), if it set one.
+    pub ready_timeout: Option<Duration>,
 }
 
 /// The agent is at its ready prompt.

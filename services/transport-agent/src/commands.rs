@@ -112,6 +112,7 @@ async fn spec_for(ctx: &Ctx, session: &SessionId) -> Option<(SessionSpec, bool)>
         conversation: record.conversation,
         token: record.token,
         launch: record.launch,
+        ready_timeout: record.ready_timeout_ms.map(Duration::from_millis),
     };
     if active {
         if let Ok(mut map) = ctx.sessions.lock() {
@@ -152,7 +153,8 @@ async fn ensure_ready(ctx: &Ctx, spec: &SessionSpec) -> Result<(), TurnEnd> {
         locks.entry(spec.id.clone()).or_default().clone()
     };
     let _guard = lock.lock().await;
-    match adapter.ensure_ready(spec, ctx.config.ready_timeout).await {
+    let ready_timeout = spec.ready_timeout.unwrap_or(ctx.config.ready_timeout);
+    match adapter.ensure_ready(spec, ready_timeout).await {
         Ok(ready) => {
             if ready.conversation.is_some() && ready.conversation != spec.conversation {
                 remember_conversation(ctx, spec, ready.conversation.clone()).await;

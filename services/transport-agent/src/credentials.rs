@@ -119,6 +119,7 @@ mod tests {
             conversation: None,
             token: "tok_s3cret".into(),
             launch: None,
+            ready_timeout: None,
         };
         let files = SessionFiles::at(&dir, &spec);
         files

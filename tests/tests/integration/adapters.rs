@@ -125,6 +125,7 @@ async fn generic(stack: &mut Stack) -> Result<()> {
         cwd: None,
         id: None,
         launch: Some(launch),
+        ready_timeout_ms: None,
     };
     let client = stack.client.clone();
     let s = turnstile_tests::wait_until("create", Duration::from_secs(20), || {
@@ -172,6 +173,76 @@ async fn generic(stack: &mut Stack) -> Result<()> {
         matches!(r3.state, TurnState::Completed { .. }),
         "{:?}",
         r3.state
+    );
+    Ok(())
+}
+
+/// R9: a session's own `ready_timeout` bounds the launch: a CLI that never shows its prompt
+/// fails the turn `parent_transport_unavailable` after that long, not after the host's default
+/// (20 s in these tests), with the terminal's last lines as evidence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_ready_timeout_bounds_its_launch() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = ready_timeout(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn ready_timeout(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::api::{self, CreateSession};
+    use turnstile_shared::records::{LaunchSpec, SessionRecord};
+    let req = CreateSession {
+        agent: AgentKind::Tmux,
+        name: "never-ready".into(),
+        host: None,
+        cwd: None,
+        id: None,
+        launch: Some(LaunchSpec {
+            argv: vec![
+                "sh".into(),
+                "-c".into(),
+                "echo starting up; sleep 60".into(),
+            ],
+            ready: "READY>".into(),
+            busy: None,
+        }),
+        ready_timeout_ms: Some(1500),
+    };
+    let client = stack.client.clone();
+    let s = turnstile_tests::wait_until("create", Duration::from_secs(20), || {
+        let (req, client) = (req.clone(), client.clone());
+        async move {
+            match api::call::<_, SessionRecord>(
+                &client,
+                turnstile_shared::subjects::api::SESSION_CREATE,
+                &req,
+                crate::stack::API,
+            )
+            .await
+            {
+                Ok(r) => Ok(Some(r.id)),
+                Err(e) if e.code == "no_host" => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        }
+    })
+    .await?;
+    let sent = std::time::Instant::now();
+    let t = stack.send(&s, "hello?").await?;
+    let r = stack.wait_turn(&t, Duration::from_secs(30)).await?;
+    let took = sent.elapsed();
+    match &r.state {
+        TurnState::Failed { reason, output, .. } => {
+            ensure!(reason == "parent_transport_unavailable", "{reason}");
+            ensure!(
+                output.iter().any(|l| l.contains("starting up")),
+                "{output:?}"
+            );
+        }
+        other => anyhow::bail!("expected a failed launch, got {other:?}"),
+    }
+    ensure!(
+        took < Duration::from_secs(10),
+        "bounded by the session's 1.5 s, took {took:?}"
     );
     Ok(())
 }

@@ -206,6 +206,7 @@ impl Stack {
             cwd: None,
             id: None,
             launch: None,
+            ready_timeout_ms: None,
         };
         let rec: SessionRecord = wait_until("session create", Duration::from_secs(20), || {
             let req = req.clone();
