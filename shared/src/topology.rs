@@ -215,15 +215,12 @@ pub async fn ensure_transport_consumer(
     host: &HostName,
 ) -> Result<consumer::PullConsumer, TopologyError> {
     let name = subjects::transport_consumer(host);
-    let config = consumer::pull::Config {
-        durable_name: Some(name.clone()),
-        filter_subject: subjects::transport_host_all(host),
-        ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: cfg.transport_ack_wait,
-        max_ack_pending: 100_000,
-        max_deliver: -1,
-        ..Default::default()
-    };
+    let config = durable(
+        &name,
+        subjects::transport_host_all(host),
+        cfg.transport_ack_wait,
+        100_000,
+    );
     create_consumer(js, subjects::TRANSPORT_STREAM, &name, config).await
 }
 
@@ -235,15 +232,12 @@ pub async fn ensure_completion_consumer(
     session: &SessionId,
 ) -> Result<consumer::PullConsumer, TopologyError> {
     let name = subjects::completion_consumer(session);
-    let config = consumer::pull::Config {
-        durable_name: Some(name.clone()),
-        filter_subject: subjects::completion_session_all(session),
-        ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: cfg.lane_ack_wait,
-        max_ack_pending: 10_000,
-        max_deliver: -1,
-        ..Default::default()
-    };
+    let config = durable(
+        &name,
+        subjects::completion_session_all(session),
+        cfg.lane_ack_wait,
+        10_000,
+    );
     create_consumer(js, subjects::COMPLETION_STREAM, &name, config).await
 }
 
@@ -273,15 +267,7 @@ async fn step_work_consumer(
     name: String,
     filter: String,
 ) -> Result<consumer::PullConsumer, TopologyError> {
-    let config = consumer::pull::Config {
-        durable_name: Some(name.clone()),
-        filter_subject: filter,
-        ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: cfg.transport_ack_wait,
-        max_ack_pending: 100_000,
-        max_deliver: -1,
-        ..Default::default()
-    };
+    let config = durable(&name, filter, cfg.transport_ack_wait, 100_000);
     create_consumer(js, subjects::STEP_STREAM, &name, config).await
 }
 
@@ -291,15 +277,12 @@ pub async fn ensure_ended_consumer(
     cfg: &TopologyConfig,
 ) -> Result<consumer::PullConsumer, TopologyError> {
     let name = subjects::BROKER_ENDED_CONSUMER.to_string();
-    let config = consumer::pull::Config {
-        durable_name: Some(name.clone()),
-        filter_subject: subjects::STEP_ENDED_ALL.to_string(),
-        ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: cfg.transport_ack_wait,
-        max_ack_pending: 1_000,
-        max_deliver: -1,
-        ..Default::default()
-    };
+    let config = durable(
+        &name,
+        subjects::STEP_ENDED_ALL.to_string(),
+        cfg.transport_ack_wait,
+        1_000,
+    );
     create_consumer(js, subjects::STEP_STREAM, &name, config).await
 }
 
@@ -319,13 +302,9 @@ pub async fn ensure_run_ends_consumer(
 ) -> Result<consumer::PullConsumer, TopologyError> {
     let name = subjects::BROKER_RUN_ENDS_CONSUMER.to_string();
     let config = consumer::pull::Config {
-        durable_name: Some(name.clone()),
+        filter_subject: String::new(),
         filter_subjects: subjects::RUN_ENDS.iter().map(|s| s.to_string()).collect(),
-        ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: cfg.transport_ack_wait,
-        max_ack_pending: 1_000,
-        max_deliver: -1,
-        ..Default::default()
+        ..durable(&name, String::new(), cfg.transport_ack_wait, 1_000)
     };
     create_consumer(js, subjects::EVENTS_STREAM, &name, config).await
 }
@@ -368,16 +347,27 @@ async fn mirror_consumer(
     filter: &str,
 ) -> Result<consumer::PullConsumer, TopologyError> {
     let name = name.to_string();
-    let config = consumer::pull::Config {
-        durable_name: Some(name.clone()),
-        filter_subject: filter.to_string(),
+    let config = durable(&name, filter.to_string(), cfg.transport_ack_wait, 1_000);
+    create_consumer(js, stream, &name, config).await
+}
+
+/// A durable pull consumer with explicit acks and unlimited redelivery: every consumer of
+/// ours but the lanes' (which add the pinned-client priority group).
+fn durable(
+    name: &str,
+    filter: String,
+    ack_wait: Duration,
+    max_ack_pending: i64,
+) -> consumer::pull::Config {
+    consumer::pull::Config {
+        durable_name: Some(name.to_string()),
+        filter_subject: filter,
         ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: cfg.transport_ack_wait,
-        max_ack_pending: 1_000,
+        ack_wait,
+        max_ack_pending,
         max_deliver: -1,
         ..Default::default()
-    };
-    create_consumer(js, stream, &name, config).await
+    }
 }
 
 async fn create_consumer(
