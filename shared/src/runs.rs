@@ -9,10 +9,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{ExecutionId, RunId, SessionId, TurnId};
 
-/// Named reasons a run fails with; documented in docs/runs.md.
+/// Named reasons a run fails with (besides a failed turn's own reason, which the run takes
+/// over); documented in docs/runs-and-schedules.md.
 pub mod run_reason {
-    /// Not used as a reason any more: a run whose turn fails ends with the turn's own reason.
-    pub const TURN_FAILED: &str = "turn_failed";
     pub const MAX_ROUNDS: &str = "max_rounds";
     pub const MAX_DURATION: &str = "max_duration";
     pub const IDLE_TIMEOUT: &str = "idle_timeout";

@@ -5,7 +5,7 @@
 //! with `--resume` when the process has to be started again (R9). The agent reaches Turnstile
 //! through `--mcp-config` (the session's `turnstile mcp` config, credentials included).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -21,6 +21,7 @@ use turnstile_shared::{ConversationId, SessionId};
 
 use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
 use crate::credentials::SessionFiles;
+use crate::tail::{exit_status, Tail};
 
 /// Lines of stderr kept as evidence.
 const TAIL: usize = 20;
@@ -39,8 +40,7 @@ struct Proc {
     child: Child,
     stdin: ChildStdin,
     events: mpsc::UnboundedReceiver<Value>,
-    stderr: Arc<Mutex<VecDeque<String>>>,
-    stderr_reader: Option<tokio::task::JoinHandle<()>>,
+    stderr: Tail,
     conversation: Option<ConversationId>,
     argv: Vec<String>,
 }
@@ -121,28 +121,12 @@ impl ClaudeAdapter {
                 }
             }
         });
-        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
-        let keep = tail.clone();
-        let stderr_reader = tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                if let Ok(mut t) = keep.lock() {
-                    if t.len() == TAIL {
-                        t.pop_front();
-                    }
-                    t.push_back(line);
-                }
-            }
-        });
+        let mut tail = Tail::new(TAIL);
+        tail.follow(stderr);
         // A resume of an unknown conversation exits at once: give it a moment to.
         tokio::time::sleep(START_GRACE).await;
-        let mut stderr_reader = stderr_reader;
         if let Ok(Some(status)) = child.try_wait() {
-            let _ = tokio::time::timeout(Duration::from_secs(2), &mut stderr_reader).await;
-            let lines = tail
-                .lock()
-                .map(|t| t.iter().cloned().collect())
-                .unwrap_or_default();
+            let lines = tail.lines().await;
             return Err(unavailable(
                 format!("`{command_line}` exited at start ({status})"),
                 lines,
@@ -153,7 +137,6 @@ impl ClaudeAdapter {
             stdin,
             events,
             stderr: tail,
-            stderr_reader: Some(stderr_reader),
             conversation: spec.conversation.clone(),
             argv: std::iter::once(self.bin.to_string_lossy().into_owned())
                 .chain(argv)
@@ -258,20 +241,8 @@ fn text_of(v: &Value) -> Vec<String> {
 
 /// The process ended mid-turn: its exit status and the tail of its stderr are the evidence.
 async fn exited(proc: &mut Proc, what: String) -> TurnEnd {
-    let status = tokio::time::timeout(Duration::from_secs(2), proc.child.wait())
-        .await
-        .ok()
-        .and_then(|s| s.ok())
-        .map_or("unknown".to_string(), |s| s.to_string());
-    // Its stderr is read to the end before it is used as evidence.
-    if let Some(r) = proc.stderr_reader.take() {
-        let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
-    }
-    let output = proc
-        .stderr
-        .lock()
-        .map(|t| t.iter().cloned().collect())
-        .unwrap_or_default();
+    let status = exit_status(&mut proc.child).await;
+    let output = proc.stderr.lines().await;
     TurnEnd::Failed {
         reason: reason::AGENT_EXITED,
         detail: format!("`{}`: {what} (exit {status})", proc.argv.join(" ")),

@@ -3,10 +3,10 @@
 //! `thread.started` event). A turn ends at `turn.completed` (its last `agent_message` is the
 //! reply) or `turn.failed`; a process that exits before either has crashed.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -16,6 +16,7 @@ use turnstile_shared::records::reason;
 use turnstile_shared::{ConversationId, SessionId};
 
 use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
+use crate::tail::{exit_status, Tail};
 
 const TAIL: usize = 20;
 
@@ -80,21 +81,9 @@ impl CodexAdapter {
                 }
             }
         };
-        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
-        let mut stderr_reader = None;
+        let mut tail = Tail::new(TAIL);
         if let Some(err) = child.stderr.take() {
-            let keep = tail.clone();
-            stderr_reader = Some(tokio::spawn(async move {
-                let mut lines = BufReader::new(err).lines();
-                while let Ok(Some(l)) = lines.next_line().await {
-                    if let Ok(mut t) = keep.lock() {
-                        if t.len() == TAIL {
-                            t.pop_front();
-                        }
-                        t.push_back(l);
-                    }
-                }
-            }));
+            tail.follow(err);
         }
         let Some(out) = child.stdout.take() else {
             return TurnEnd::Failed {
@@ -153,22 +142,9 @@ impl CodexAdapter {
             }
             Ok(o) => o,
         };
-        let status = tokio::time::timeout(Duration::from_secs(5), child.wait())
-            .await
-            .ok()
-            .and_then(|s| s.ok())
-            .map_or("unknown".to_string(), |s| s.to_string());
-        // Its stderr is read to the end before it is used as evidence.
-        if let Some(r) = stderr_reader {
-            let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
-        }
+        let status = exit_status(&mut child).await;
         let skip = said.len().saturating_sub(TAIL);
         let said: Vec<String> = said.into_iter().skip(skip).collect();
-        let stderr = || {
-            tail.lock()
-                .map(|t| t.iter().cloned().collect())
-                .unwrap_or_default()
-        };
         match outcome {
             Some(Ok(())) => TurnEnd::Completed { output: said },
             Some(Err(msg)) => TurnEnd::Failed {
@@ -179,7 +155,7 @@ impl CodexAdapter {
             None => TurnEnd::Failed {
                 reason: reason::AGENT_EXITED,
                 detail: format!("`{shown}` exited before the turn ended (exit {status})"),
-                output: stderr(),
+                output: tail.lines().await,
             },
         }
     }

@@ -66,9 +66,7 @@ impl GenericAdapter {
                 let why = if state.dead {
                     format!(
                         "the CLI in terminal {name} exited (status {})",
-                        state
-                            .dead_status
-                            .map_or("unknown".into(), |s| s.to_string())
+                        state.exit_text()
                     )
                 } else {
                     format!("terminal {name} shows no `{}` prompt in time", launch.ready)
@@ -107,9 +105,7 @@ impl GenericAdapter {
                     reason: reason::AGENT_EXITED,
                     detail: format!(
                         "the CLI in terminal {name} exited mid-turn (status {})",
-                        state
-                            .dead_status
-                            .map_or("unknown".into(), |s| s.to_string())
+                        state.exit_text()
                     ),
                     output: state.last_lines(EVIDENCE_LINES),
                 };

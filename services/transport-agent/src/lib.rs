@@ -10,6 +10,7 @@ mod generic;
 mod heartbeat;
 mod mock;
 mod steps;
+mod tail;
 mod tmux;
 mod watch;
 

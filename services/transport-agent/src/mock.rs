@@ -103,9 +103,7 @@ impl MockAdapter {
                 return Err(Unavailable {
                     detail: format!(
                         "agent in terminal {name} exited (status {})",
-                        state
-                            .dead_status
-                            .map_or("unknown".into(), |s| s.to_string())
+                        state.exit_text()
                     ),
                     last_lines: state.last_lines(EVIDENCE_LINES),
                 });
@@ -145,9 +143,7 @@ impl MockAdapter {
                     reason: reason::AGENT_EXITED,
                     detail: format!(
                         "agent exited during the turn (status {})",
-                        state
-                            .dead_status
-                            .map_or("unknown".into(), |s| s.to_string())
+                        state.exit_text()
                     ),
                     output: state.last_lines(EVIDENCE_LINES),
                 };

@@ -3,14 +3,12 @@
 //! twice, R14), runs the command in the session's cwd, heartbeats, stops it at once when
 //! told it is cancelled (R7), and reports its exit status and the tail of its output.
 
-use std::collections::VecDeque;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ApiError};
 use turnstile_shared::envelope::Envelope;
@@ -19,6 +17,7 @@ use turnstile_shared::step_api::{step_kind, Report, ReportAck, StepReport, StepW
 use turnstile_shared::{consume, subjects, topology};
 
 use crate::commands::refuse;
+use crate::tail::Tail;
 use crate::{Ctx, Error};
 
 /// Lines of output kept for the result.
@@ -134,17 +133,13 @@ async fn run_step(
             })
         }
     };
-    let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
-    let readers = [
-        child
-            .stdout
-            .take()
-            .map(|o| tokio::spawn(keep_tail(o, tail.clone()))),
-        child
-            .stderr
-            .take()
-            .map(|e| tokio::spawn(keep_tail(e, tail.clone()))),
-    ];
+    let mut tail = Tail::new(TAIL_LINES);
+    if let Some(o) = child.stdout.take() {
+        tail.follow(o);
+    }
+    if let Some(e) = child.stderr.take() {
+        tail.follow(e);
+    }
     let pgid = child.id();
     let period = ctx
         .config
@@ -176,13 +171,7 @@ async fn run_step(
         }
     };
     let _ = child.wait().await;
-    for r in readers.into_iter().flatten() {
-        let _ = tokio::time::timeout(Duration::from_secs(1), r).await;
-    }
-    let output: Vec<String> = tail
-        .lock()
-        .map(|t| t.iter().cloned().collect())
-        .unwrap_or_default();
+    let output = tail.lines().await;
     let last = output.last().cloned().unwrap_or_default();
     Some(match status {
         Ok(Ok(s)) if s.success() => Report::Completed {
@@ -224,18 +213,6 @@ fn summary(status: &str, last: &str) -> String {
         status.to_string()
     } else {
         format!("{status}: {last}")
-    }
-}
-
-async fn keep_tail(out: impl AsyncRead + Unpin, tail: Arc<Mutex<VecDeque<String>>>) {
-    let mut lines = BufReader::new(out).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
-        if let Ok(mut t) = tail.lock() {
-            if t.len() == TAIL_LINES {
-                t.pop_front();
-            }
-            t.push_back(line.chars().take(500).collect());
-        }
     }
 }
 

@@ -33,6 +33,11 @@ pub struct PaneState {
 
 impl PaneState {
     /// The absolute line of the cursor, counting scrollback: grows as output scrolls by.
+    /// The dead pane's exit status for evidence (`unknown` until tmux has it).
+    pub fn exit_text(&self) -> String {
+        self.dead_status.map_or("unknown".into(), |s| s.to_string())
+    }
+
     pub fn cursor_line(&self) -> i64 {
         self.history_size + self.cursor_y
     }

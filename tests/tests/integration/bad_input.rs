@@ -129,3 +129,89 @@ async fn bad_command(stack: &mut Stack) -> Result<()> {
     ensure!(reason.contains("not a JSON"), "reason: {reason}");
     Ok(())
 }
+
+/// R15 for the broker and the scheduler: unreadable step and schedule requests get a clear
+/// `bad_request`, an unreadable execution end is dead-lettered with an `end.rejected` event,
+/// and both services go on serving (a real step still runs and comes back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_step_ends_and_requests_are_refused_and_the_broker_goes_on() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = bad_broker_input(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn bad_broker_input(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::api::{self, ApiError};
+    use turnstile_shared::subjects::api as subj;
+    let refused = |r: Result<serde_json::Value, ApiError>| match r {
+        Err(e) if e.code == "bad_request" => Ok(e.message),
+        other => Err(anyhow::anyhow!("expected bad_request, got {other:?}")),
+    };
+    // Not a step request at all (once the broker answers), and a command step without a
+    // program.
+    let client = stack.client.clone();
+    let first = turnstile_tests::wait_until("the broker", Duration::from_secs(20), || {
+        let client = client.clone();
+        async move {
+            let r = api::call::<_, serde_json::Value>(
+                &client,
+                subj::STEPS_START,
+                &serde_json::json!({"x": 1}),
+                crate::stack::API,
+            )
+            .await;
+            Ok(match r {
+                Err(e) if e.code == "unavailable" || e.code == "timeout" => None,
+                other => Some(other),
+            })
+        }
+    })
+    .await?;
+    let msg = refused(first)?;
+    ensure!(msg.contains("invalid request"), "{msg}");
+    let s = stack.create_session("steady", None).await?;
+    let caller = stack.caller(&s).await?;
+    let no_program = serde_json::json!({
+        "caller": caller, "name": "empty", "work": {"kind": "command", "argv": []}
+    });
+    let msg = refused(
+        api::call(
+            &stack.client,
+            subj::STEPS_START,
+            &no_program,
+            crate::stack::API,
+        )
+        .await,
+    )?;
+    ensure!(msg.contains("program"), "{msg}");
+    // A schedule with a cron expression that is not one.
+    let mut bad = crate::stack::schedule("broken", "61 * * * *", &s, &["x"]);
+    bad.tz = "UTC".into();
+    let msg =
+        refused(api::call(&stack.client, subj::SCHEDULES_ADD, &bad, crate::stack::API).await)?;
+    ensure!(msg.contains("61"), "the error names the bad field: {msg}");
+    // An unreadable end on the broker's durable queue.
+    stack
+        .js
+        .publish(
+            subjects::step_ended(&turnstile_shared::StepId::new().into()),
+            "{garbage".into(),
+        )
+        .await?
+        .await?;
+    stack
+        .wait_events("end.rejected", Duration::from_secs(20), |ev| {
+            ev.iter().any(|e| e.kind == "end.rejected").then_some(())
+        })
+        .await?;
+    // Still serving: a real step runs and its result comes back.
+    let turn = stack.send(&s, "!step fine 200ms\n!sleep 1s").await?;
+    stack.all_complete(&[turn]).await?;
+    let d = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
+    ensure!(
+        crate::stack::listed_steps(&d[0].text).len() == 1,
+        "{}",
+        d[0].text
+    );
+    Ok(())
+}
