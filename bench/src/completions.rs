@@ -5,6 +5,7 @@
 //! collecting and checking the completion, recording what it carries, dispatch.
 
 use std::time::Duration;
+use turnstile_shared::events::EventKind;
 
 use anyhow::{bail, Context, Result};
 use chrono::Utc;
@@ -130,13 +131,17 @@ pub async fn measure(nats: &turnstile_tests::NatsServer, n: usize) -> Result<ser
                 .context("no turn.started for the delivery")?
                 .context("event subscription ended")?;
             let env = Envelope::decode(&msg.payload)?;
-            match env.kind.as_str() {
-                "step.completed" if env.data["execution"].as_str() == Some(step.as_str()) => {
+            match env.kind.parse::<EventKind>() {
+                Ok(EventKind::StepCompleted)
+                    if env.data["execution"].as_str() == Some(step.as_str()) =>
+                {
                     recorded = Some(env.at)
                 }
-                "delivery.queued" if env.at >= t0 => queued = Some(env.at),
+                Ok(EventKind::DeliveryQueued) if env.at >= t0 => queued = Some(env.at),
                 // Received time: envelope times have millisecond precision.
-                "turn.started" if env.turn.as_ref() == Some(&delivery.id) => break Utc::now(),
+                Ok(EventKind::TurnStarted) if env.turn.as_ref() == Some(&delivery.id) => {
+                    break Utc::now()
+                }
                 _ => {}
             }
         };

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::api::{self, CreateSession};
+use turnstile_shared::api::{self, CreateSession, ErrorCode};
 use turnstile_shared::records::{AgentKind, SessionRecord};
 use turnstile_shared::subjects::api as subj;
 use turnstile_shared::SessionId;
@@ -88,10 +88,7 @@ pub async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Ve
             .await
             {
                 Ok(r) => break r,
-                Err(e)
-                    if ["no_host", "unavailable", "timeout"].contains(&e.code.as_str())
-                        && tries < 100 =>
-                {
+                Err(e) if (e.code == ErrorCode::NoHost || e.code.is_transient()) && tries < 100 => {
                     tries += 1;
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }

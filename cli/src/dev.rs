@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::api::{self, ApiError, CreateSession, SendTurn};
+use turnstile_shared::api::{self, ApiError, CreateSession, ErrorCode, SendTurn};
 use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord};
 use turnstile_shared::schedules::{ScheduleRecord, ScheduleSpec};
 use turnstile_shared::subjects::api as subj;
@@ -150,9 +150,7 @@ async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
                 session = Some(s);
                 break;
             }
-            Err(ApiError { code, .. })
-                if code == "no_host" || code == "timeout" || code == "unavailable" =>
-            {
+            Err(ApiError { code, .. }) if code == ErrorCode::NoHost || code.is_transient() => {
                 tokio::time::sleep(Duration::from_millis(100)).await
             }
             Err(e) => return Err(e.into()),
@@ -189,7 +187,7 @@ async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
         api::call(client, subj::SCHEDULES_ADD, &spec, Duration::from_secs(5)).await;
     match added {
         Ok(_) => {}
-        Err(e) if e.code == "exists" => {}
+        Err(e) if e.code == ErrorCode::Exists => {}
         Err(e) => return Err(e.into()),
     }
     Ok(())

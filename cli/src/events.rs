@@ -3,6 +3,7 @@
 
 use std::io::Write;
 use std::process::ExitCode;
+use turnstile_shared::events::EventKind;
 
 use anyhow::Context;
 use async_nats::jetstream::consumer::{self, DeliverPolicy};
@@ -88,11 +89,13 @@ pub fn human(env: &Envelope) -> String {
             .unwrap_or_default()
             .to_string()
     };
-    let detail = match env.kind.as_str() {
-        "session.created" => format!("{} agent={} host={}", s("name"), s("agent"), s("host")),
-        "turn.queued" => format!("{:?}", first_line(&s("text"))),
-        "turn.started" => format!("host={} replica={}", s("host"), s("replica")),
-        "turn.completed" => d
+    let detail = match env.kind.parse::<EventKind>() {
+        Ok(EventKind::SessionCreated) => {
+            format!("{} agent={} host={}", s("name"), s("agent"), s("host"))
+        }
+        Ok(EventKind::TurnQueued) => format!("{:?}", first_line(&s("text"))),
+        Ok(EventKind::TurnStarted) => format!("host={} replica={}", s("host"), s("replica")),
+        Ok(EventKind::TurnCompleted) => d
             .get("output")
             .and_then(|o| o.as_array())
             .and_then(|o| {
@@ -102,9 +105,11 @@ pub fn human(env: &Envelope) -> String {
             })
             .map(|l| format!("{:?}", first_line(l)))
             .unwrap_or_default(),
-        "turn.failed" => format!("{}: {}", s("reason"), s("detail")),
-        "lane.rejected" => s("reason"),
-        "terminal.ready" => format!("host={} conversation={}", s("host"), s("conversation")),
+        Ok(EventKind::TurnFailed) => format!("{}: {}", s("reason"), s("detail")),
+        Ok(EventKind::LaneRejected) => s("reason"),
+        Ok(EventKind::TerminalReady) => {
+            format!("host={} conversation={}", s("host"), s("conversation"))
+        }
         _ => String::new(),
     };
     let id = |o: Option<String>| o.unwrap_or_else(|| "-".to_string());

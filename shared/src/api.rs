@@ -70,28 +70,90 @@ pub struct SessionView {
     pub transport: String,
 }
 
+/// Every code an API error can carry: the one registry of them, used by every service and the
+/// CLI. Serialised snake_case (`"not_found"`). A code this build does not know (sent by a newer
+/// service) is kept as [`ErrorCode::Other`] with its text, so an old client still shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, strum::Display, strum::EnumString)]
+#[strum(serialize_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request could not be read or breaks a rule of its API (R15).
+    BadRequest,
+    /// The session, turn, run, step or schedule named does not exist.
+    NotFound,
+    /// A create named an id or name that is taken by something different.
+    Exists,
+    /// The session is stopped: it takes no new turns or runs.
+    Stopped,
+    /// The session of the caller's credentials is stopped.
+    SessionStopped,
+    /// No transport host is heartbeating (or not the one asked for).
+    NoHost,
+    /// A step call came from a session whose lane holds no running turn (R6).
+    NoTurn,
+    /// A step was asked to start a child after it ended.
+    ParentEnded,
+    /// The execution id is registered to another parent or session (R8).
+    ForeignExecution,
+    /// Only a failed run can be retried.
+    NotFailed,
+    /// Missing, wrong or foreign credentials.
+    Unauthorized,
+    /// No reply within the client's timeout: the service may not be running.
+    Timeout,
+    /// The request could not be sent (NATS unreachable).
+    Unavailable,
+    /// The service failed while serving the request; retrying may help.
+    Internal,
+    /// A code this build does not know, kept as sent.
+    #[strum(default)]
+    Other(String),
+}
+
+impl ErrorCode {
+    /// Whether a caller may retry the same request later: the service was not reached or
+    /// answered nothing.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Timeout | Self::Unavailable)
+    }
+}
+
+impl Serialize for ErrorCode {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ErrorCode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        // Infallible: an unknown code becomes `Other`.
+        Ok(text.parse().unwrap_or(Self::Other(text)))
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
 #[error("{code}: {message}")]
 pub struct ApiError {
-    pub code: String,
+    pub code: ErrorCode,
     pub message: String,
 }
 
 impl ApiError {
-    pub fn new(code: &str, message: impl Into<String>) -> Self {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
-            code: code.to_string(),
+            code,
             message: message.into(),
         }
     }
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new("bad_request", message)
+        Self::new(ErrorCode::BadRequest, message)
     }
     pub fn not_found(message: impl Into<String>) -> Self {
-        Self::new("not_found", message)
+        Self::new(ErrorCode::NotFound, message)
     }
-    pub fn internal(message: impl Into<String>) -> Self {
-        Self::new("internal", message)
+    /// A failure inside the service, from any error it met (`.map_err(ApiError::internal)`).
+    pub fn internal(error: impl std::fmt::Display) -> Self {
+        Self::new(ErrorCode::Internal, error.to_string())
     }
 }
 
@@ -115,16 +177,40 @@ pub async fn call<Req: Serialize, Resp: DeserializeOwned>(
         .await
         .map_err(|_| {
             ApiError::new(
-                "timeout",
+                ErrorCode::Timeout,
                 format!("no reply on {subject} within {timeout:?}: is the service running?"),
             )
         })?
-        .map_err(|e| ApiError::new("unavailable", format!("request {subject}: {e}")))?;
+        .map_err(|e| ApiError::new(ErrorCode::Unavailable, format!("request {subject}: {e}")))?;
     match serde_json::from_slice::<Reply<Resp>>(&reply.payload) {
         Ok(Reply::Ok(v)) => Ok(v),
         Ok(Reply::Error(e)) => Err(e),
         Err(e) => Err(ApiError::internal(format!(
             "unreadable reply on {subject}: {e}"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_snake_case_and_unknown_ones_survive() {
+        let e = ApiError::new(ErrorCode::NoTurn, "x");
+        let v = serde_json::to_value(&e).expect("json");
+        assert_eq!(v["code"], "no_turn");
+        assert_eq!(e.to_string(), "no_turn: x");
+        let back: ApiError = serde_json::from_value(v).expect("back");
+        assert_eq!(back, e);
+        let newer: ApiError =
+            serde_json::from_str(r#"{"code":"quota_exceeded","message":"m"}"#).expect("newer");
+        assert_eq!(newer.code, ErrorCode::Other("quota_exceeded".into()));
+        assert_eq!(newer.to_string(), "quota_exceeded: m");
+        assert_eq!(
+            serde_json::to_value(&newer).expect("json")["code"],
+            "quota_exceeded"
+        );
+        assert!(ErrorCode::Timeout.is_transient() && !ErrorCode::NotFound.is_transient());
     }
 }

@@ -10,37 +10,117 @@ use crate::envelope::{Envelope, EnvelopeError};
 use crate::ids::{HostName, SessionId, TurnId};
 use crate::subjects;
 
-pub mod kind {
-    pub const SESSION_CREATED: &str = "session.created";
-    pub const SESSION_STOPPED: &str = "session.stopped";
-    pub const TURN_QUEUED: &str = "turn.queued";
-    pub const TURN_STARTED: &str = "turn.started";
-    pub const TURN_COMPLETED: &str = "turn.completed";
-    pub const TURN_FAILED: &str = "turn.failed";
-    pub const LANE_REJECTED: &str = "lane.rejected";
-    pub const TRANSPORT_REJECTED: &str = "transport.rejected";
-    pub const TERMINAL_READY: &str = "terminal.ready";
+/// Every lifecycle event kind (the envelope's `type`): the one registry of them. Each kind is
+/// spelled once, here; producers build events from it and readers parse `type` back into it
+/// (`"turn.completed".parse::<EventKind>()`); a kind this build does not know fails to parse,
+/// so a reader can show it raw.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    strum::Display,
+    strum::EnumString,
+    strum::IntoStaticStr,
+    strum::EnumIter,
+)]
+pub enum EventKind {
+    #[strum(serialize = "session.created")]
+    SessionCreated,
+    #[strum(serialize = "session.stopped")]
+    SessionStopped,
+    #[strum(serialize = "turn.queued")]
+    TurnQueued,
+    #[strum(serialize = "turn.started")]
+    TurnStarted,
+    #[strum(serialize = "turn.completed")]
+    TurnCompleted,
+    #[strum(serialize = "turn.failed")]
+    TurnFailed,
+    /// A lane item this build cannot take was dead-lettered (R15).
+    #[strum(serialize = "lane.rejected")]
+    LaneRejected,
+    /// An unreadable transport command was dead-lettered (R15).
+    #[strum(serialize = "transport.rejected")]
+    TransportRejected,
+    #[strum(serialize = "terminal.ready")]
+    TerminalReady,
     /// An agent's process exited while its session was idle, with evidence.
-    pub const TERMINAL_DIED: &str = "terminal.died";
-    pub const HOST_UP: &str = "host.up";
-    pub const STEP_QUEUED: &str = "step.queued";
-    pub const STEP_RUNNING: &str = "step.running";
-    pub const STEP_COMPLETED: &str = "step.completed";
-    pub const STEP_FAILED: &str = "step.failed";
-    pub const STEP_CANCELLED: &str = "step.cancelled";
+    #[strum(serialize = "terminal.died")]
+    TerminalDied,
+    #[strum(serialize = "host.up")]
+    HostUp,
+    #[strum(serialize = "step.queued")]
+    StepQueued,
+    #[strum(serialize = "step.running")]
+    StepRunning,
+    #[strum(serialize = "step.completed")]
+    StepCompleted,
+    #[strum(serialize = "step.failed")]
+    StepFailed,
+    #[strum(serialize = "step.cancelled")]
+    StepCancelled,
     /// A completion was left for a session (owner or watcher).
-    pub const COMPLETION_ROUTED: &str = "completion.routed";
+    #[strum(serialize = "completion.routed")]
+    CompletionRouted,
     /// A completion addressed to a session that neither owns nor watches it (R8).
-    pub const COMPLETION_REJECTED: &str = "completion.rejected";
-    pub const DELIVERY_QUEUED: &str = "delivery.queued";
+    #[strum(serialize = "completion.rejected")]
+    CompletionRejected,
+    #[strum(serialize = "delivery.queued")]
+    DeliveryQueued,
     /// A delivery turn handed its completions over and they were acked.
-    pub const DELIVERY_COMPLETED: &str = "delivery.completed";
+    #[strum(serialize = "delivery.completed")]
+    DeliveryCompleted,
     /// A delivery turn failed; its completions stay pending (R3).
-    pub const DELIVERY_FAILED: &str = "delivery.failed";
+    #[strum(serialize = "delivery.failed")]
+    DeliveryFailed,
     /// A call with missing, wrong or foreign credentials was refused.
-    pub const AUTH_REFUSED: &str = "auth.refused";
+    #[strum(serialize = "auth.refused")]
+    AuthRefused,
     /// An unreadable message on the broker's ended queue was dead-lettered (R15).
-    pub const END_REJECTED: &str = "end.rejected";
+    #[strum(serialize = "end.rejected")]
+    EndRejected,
+    #[strum(serialize = "run.queued")]
+    RunQueued,
+    #[strum(serialize = "run.started")]
+    RunStarted,
+    /// A run turn ended and the run goes on waiting for what it started (R5).
+    #[strum(serialize = "run.round")]
+    RunRound,
+    #[strum(serialize = "run.completed")]
+    RunCompleted,
+    #[strum(serialize = "run.failed")]
+    RunFailed,
+    /// A failed run was queued again to continue where it failed.
+    #[strum(serialize = "run.retried")]
+    RunRetried,
+    #[strum(serialize = "schedule.added")]
+    ScheduleAdded,
+    #[strum(serialize = "schedule.paused")]
+    SchedulePaused,
+    #[strum(serialize = "schedule.resumed")]
+    ScheduleResumed,
+    #[strum(serialize = "schedule.triggered")]
+    ScheduleTriggered,
+    #[strum(serialize = "schedule.deleted")]
+    ScheduleDeleted,
+    /// A slot fired a run (R11); `late` in its data when over the late threshold.
+    #[strum(serialize = "slot.fired")]
+    SlotFired,
+    /// A slot yielded to a running run under its overlap policy (R11).
+    #[strum(serialize = "slot.skipped")]
+    SlotSkipped,
+    /// A slot fell outside the catch-up window (R11).
+    #[strum(serialize = "slot.missed")]
+    SlotMissed,
+}
+
+impl EventKind {
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -57,20 +137,20 @@ pub enum PublishError {
 /// The subject an event envelope goes to, from the entity it is about.
 pub fn event_subject(env: &Envelope) -> String {
     match (&env.session, &env.host) {
-        (Some(s), _) => subjects::event("session", s.as_str(), &env.kind),
-        (None, Some(h)) => subjects::event("host", h.as_str(), &env.kind),
-        (None, None) => subjects::event("system", "-", &env.kind),
+        (Some(s), _) => subjects::session_event(s.as_str(), &env.kind),
+        (None, Some(h)) => subjects::host_event(h.as_str(), &env.kind),
+        (None, None) => subjects::system_event(&env.kind),
     }
 }
 
 /// Builds a session event with a de-duplication id made of what it is about.
 pub fn session_event<T: Serialize>(
-    kind: &str,
+    kind: EventKind,
     session: &SessionId,
     turn: Option<&TurnId>,
     data: &T,
 ) -> Result<Envelope, EnvelopeError> {
-    let mut env = Envelope::new(kind, data)?.with_session(session);
+    let mut env = Envelope::new(kind.as_str(), data)?.with_session(session);
     let dedupe = match turn {
         Some(t) => {
             env = env.with_turn(t);
@@ -82,11 +162,11 @@ pub fn session_event<T: Serialize>(
 }
 
 pub fn host_event<T: Serialize>(
-    kind: &str,
+    kind: EventKind,
     host: &HostName,
     data: &T,
 ) -> Result<Envelope, EnvelopeError> {
-    Ok(Envelope::new(kind, data)?.with_host(host))
+    Ok(Envelope::new(kind.as_str(), data)?.with_host(host))
 }
 
 /// Publishes and waits for the stream's acknowledgement.
@@ -145,4 +225,19 @@ pub async fn send_to(
             source: e.into(),
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strum::IntoEnumIterator;
+
+    #[test]
+    fn every_kind_round_trips_and_names_its_entity() {
+        for k in EventKind::iter() {
+            assert_eq!(k.as_str().parse::<EventKind>().expect("parse"), k);
+            assert!(k.as_str().contains('.'), "{k}");
+        }
+        assert!("turn.bogus".parse::<EventKind>().is_err());
+    }
 }

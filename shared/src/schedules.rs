@@ -160,6 +160,16 @@ pub enum SlotOutcome {
 }
 
 impl SlotOutcome {
+    /// The event a slot's record is announced with (R11).
+    pub fn event_kind(&self) -> crate::events::EventKind {
+        use crate::events::EventKind;
+        match self {
+            Self::Fired { .. } => EventKind::SlotFired,
+            Self::Skipped { .. } => EventKind::SlotSkipped,
+            Self::Missed { .. } => EventKind::SlotMissed,
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Self::Fired { .. } => "fired",

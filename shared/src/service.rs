@@ -48,8 +48,11 @@ pub async fn serve_endpoint<C, Req, Resp, F, Fut>(
                 }
             };
             let body = body.unwrap_or_else(|e| {
-                format!("{{\"error\":{{\"code\":\"internal\",\"message\":\"encode reply: {e}\"}}}}")
-                    .into_bytes()
+                format!(
+                    "{{\"error\":{{\"code\":\"{}\",\"message\":\"encode reply: {e}\"}}}}",
+                    crate::api::ErrorCode::Internal
+                )
+                .into_bytes()
             });
             if let Err(e) = request.respond(Ok(body.into())).await {
                 tracing::debug!(error = %e, "reply");

@@ -57,9 +57,37 @@ pub fn transport_consumer(host: &HostName) -> String {
 
 /// A lifecycle event: `ts.events.<entity>.<id>.<type>`, where `type` may itself hold dots
 /// (`turn.completed`), so `ts.events.session.<id>.>` is everything about one session.
-pub fn event(entity: &str, id: &str, kind: &str) -> String {
+fn event(entity: &str, id: &str, kind: &str) -> String {
     format!("ts.events.{entity}.{id}.{kind}")
 }
+
+/// An event about a session (its turns, runs, steps, deliveries).
+pub fn session_event(session: &str, kind: &str) -> String {
+    event("session", session, kind)
+}
+
+/// An event about a host (its heartbeat).
+pub fn host_event(host: &str, kind: &str) -> String {
+    event("host", host, kind)
+}
+
+/// An event about a schedule (changes and slots).
+pub fn schedule_event(schedule: &str, kind: &str) -> String {
+    event("schedule", schedule, kind)
+}
+
+/// An event about nothing narrower (e.g. a refused call without a session).
+pub fn system_event(kind: &str) -> String {
+    event("system", "-", kind)
+}
+
+/// Every step event of one session (`step.queued`, ..., `step.cancelled`).
+pub fn session_step_events(session: &SessionId) -> String {
+    event("session", session.as_str(), "step.>")
+}
+
+/// Every run event of every session (the scheduler follows run ends).
+pub const ALL_RUN_EVENTS: &str = "ts.events.session.*.run.>";
 
 pub fn session_events(session: &SessionId) -> String {
     format!("ts.events.session.{session}.>")
@@ -220,7 +248,11 @@ mod tests {
     fn per_session_subjects_do_not_overlap() {
         let a = SessionId::new();
         assert_eq!(lane(&a), format!("ts.lane.{a}"));
-        assert!(event("session", a.as_str(), "turn.completed").starts_with("ts.events.session."));
+        assert_eq!(
+            session_event(a.as_str(), "turn.completed"),
+            format!("ts.events.session.{a}.turn.completed")
+        );
+        assert!(session_step_events(&a).starts_with(&format!("ts.events.session.{a}.")));
         assert_eq!(session_events(&a), format!("ts.events.session.{a}.>"));
     }
 }

@@ -12,7 +12,7 @@ use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ApiError, CreateSession, SessionRef};
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events::kind;
+use turnstile_shared::events::EventKind;
 use turnstile_shared::execution::{
     agent_run, agent_session, agent_step_of, ExecStatus, ExecutionRecord, StepResult, StepWork,
 };
@@ -150,7 +150,7 @@ async fn start_agent(ctx: &Ctx, item: &StepWorkItem) -> Result<(), AgentError> {
         })
         .await?;
     if let Some(rec) = next.filter(|r| matches!(r.status, ExecStatus::Running { .. })) {
-        step_event(ctx, &rec, kind::STEP_RUNNING).await;
+        step_event(ctx, &rec, EventKind::StepRunning).await;
     }
     Ok(())
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use async_nats::service::ServiceExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::api::ApiError;
-use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::api::{ApiError, ErrorCode};
+use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::exec_reason;
 use turnstile_shared::execution::{ExecKind, ExecStatus, ExecutionRecord, Scope, StepWork};
 use turnstile_shared::ids::{is_token, new_secret};
@@ -108,7 +108,7 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
         Identity::Step(parent) => {
             if parent.status.is_terminal() {
                 return Err(ApiError::new(
-                    "parent_ended",
+                    ErrorCode::ParentEnded,
                     format!("step {} has ended; it cannot start steps", parent.id),
                 ));
             }
@@ -136,7 +136,7 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
 
 fn no_turn(session: &turnstile_shared::SessionId) -> ApiError {
     ApiError::new(
-        "no_turn",
+        ErrorCode::NoTurn,
         format!("session {session} holds no running turn: steps start from inside a turn"),
     )
 }
@@ -186,7 +186,7 @@ async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiErro
             return Ok(existing.redacted());
         }
         return Err(ApiError::new(
-            "foreign_execution",
+            ErrorCode::ForeignExecution,
             format!("execution {exec_id} is already registered elsewhere"),
         ));
     }
@@ -233,7 +233,7 @@ async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiErro
         .map_err(internal)?;
     if created.is_none() {
         return Err(ApiError::new(
-            "foreign_execution",
+            ErrorCode::ForeignExecution,
             format!("execution {exec_id} was registered concurrently"),
         ));
     }
@@ -253,12 +253,12 @@ async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiErro
     events::publish_durable(&ctx.js, subject, &env, None)
         .await
         .map_err(internal)?;
-    step_event(&ctx, &record, kind::STEP_QUEUED).await;
+    step_event(&ctx, &record, EventKind::StepQueued).await;
     Ok(record.redacted())
 }
 
 /// `step.<status>` on the session the step belongs to, de-duplicated per (step, status).
-pub(crate) async fn step_event(ctx: &Ctx, record: &ExecutionRecord, k: &str) {
+pub(crate) async fn step_event(ctx: &Ctx, record: &ExecutionRecord, k: EventKind) {
     match step_envelope(record, k) {
         Ok(ev) => {
             if let Err(e) = events::publish(&ctx.js, &ev).await {
@@ -271,7 +271,7 @@ pub(crate) async fn step_event(ctx: &Ctx, record: &ExecutionRecord, k: &str) {
 
 pub(crate) fn step_envelope(
     record: &ExecutionRecord,
-    k: &str,
+    k: EventKind,
 ) -> Result<turnstile_shared::Envelope, turnstile_shared::EnvelopeError> {
     let data = json!({
         "execution": record.id,
@@ -300,7 +300,7 @@ async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {
         };
         // Let authenticate build and record the refusal with its reason.
         return match authenticate(&ctx, &caller, "report step").await {
-            Ok(_) => Err(ApiError::new("unauthorized", "report refused")),
+            Ok(_) => Err(ApiError::new(ErrorCode::Unauthorized, "report refused")),
             Err(e) => Err(e),
         };
     }
@@ -402,7 +402,7 @@ async fn started(
         ExecStatus::Running {
             worker: Some(w), ..
         } if *w == worker => {
-            step_event(ctx, &next, kind::STEP_RUNNING).await;
+            step_event(ctx, &next, EventKind::StepRunning).await;
             Ok(ReportAck {
                 status: next.status.name().to_string(),
                 stop: false,

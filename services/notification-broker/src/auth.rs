@@ -2,8 +2,8 @@
 //! is refused with a clear error and recorded as an `auth.refused` event (R8, R15).
 
 use serde_json::json;
-use turnstile_shared::api::ApiError;
-use turnstile_shared::events::{self, kind};
+use turnstile_shared::api::{ApiError, ErrorCode};
+use turnstile_shared::events::{self, EventKind};
 use turnstile_shared::execution::ExecutionRecord;
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::Caller;
@@ -66,7 +66,7 @@ pub(crate) async fn authenticate(
                         Ok(Identity::Session(Box::new(r)))
                     } else {
                         Err(ApiError::new(
-                            "session_stopped",
+                            ErrorCode::SessionStopped,
                             format!("session {session} is stopped"),
                         ))
                     }
@@ -87,10 +87,11 @@ async fn refuse(ctx: &Ctx, caller: &Caller, action: &str, why: &str) -> ApiError
         "session": caller.session,
         "step": caller.step,
     });
-    let event = Envelope::new(kind::AUTH_REFUSED, &data).map(|e| match &caller.session {
-        Some(s) => e.with_session(s),
-        None => e,
-    });
+    let event =
+        Envelope::new(EventKind::AuthRefused.as_str(), &data).map(|e| match &caller.session {
+            Some(s) => e.with_session(s),
+            None => e,
+        });
     match event {
         Ok(ev) => {
             if let Err(e) = events::publish(&ctx.js, &ev).await {
@@ -100,7 +101,7 @@ async fn refuse(ctx: &Ctx, caller: &Caller, action: &str, why: &str) -> ApiError
         Err(e) => tracing::warn!(error = %e, "build auth.refused"),
     }
     tracing::warn!(action, reason = why, session = ?caller.session, step = ?caller.step, "call refused");
-    ApiError::new("unauthorized", format!("{action} refused: {why}"))
+    ApiError::new(ErrorCode::Unauthorized, format!("{action} refused: {why}"))
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::delivery::{self, Completion};
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::{exec_reason, ExecStatus, ExecutionRecord};
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::SessionRecord;
@@ -45,7 +45,7 @@ async fn handle(ctx: &Ctx, msg: jetstream::Message) {
         Err(e) => {
             let reason = e.to_string();
             let data = json!({ "reason": reason, "subject": msg.subject.as_str() });
-            match Envelope::new(kind::END_REJECTED, &data) {
+            match Envelope::new(EventKind::EndRejected.as_str(), &data) {
                 Ok(ev) => {
                     let dlq = subjects::BROKER_DEADLETTER.to_string();
                     turnstile_shared::deadletter::refuse(&ctx.js, &msg, dlq, &reason, &ev).await
@@ -101,9 +101,9 @@ async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
         return Ok(());
     };
     let k = match &record.status {
-        ExecStatus::Completed { .. } => kind::STEP_COMPLETED,
-        ExecStatus::Failed { .. } => kind::STEP_FAILED,
-        _ => kind::STEP_CANCELLED,
+        ExecStatus::Completed { .. } => EventKind::StepCompleted,
+        ExecStatus::Failed { .. } => EventKind::StepFailed,
+        _ => EventKind::StepCancelled,
     };
     if let (ExecStatus::Cancelled { .. }, Some(step)) = (&record.status, record.step_id()) {
         // Tell the worker now (it also learns from its next heartbeat), then what it owns.
@@ -200,7 +200,7 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Resu
             "watcher"
         };
         let ev = session_event(
-            kind::COMPLETION_ROUTED,
+            EventKind::CompletionRouted,
             &target,
             None,
             &json!({ "execution": record.id, "name": record.name, "status": record.status.name(), "role": role }),
@@ -210,7 +210,7 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Resu
         if let Some((marker, _)) = claimed {
             let d = marker.delivery;
             let ev = session_event(
-                kind::DELIVERY_QUEUED,
+                EventKind::DeliveryQueued,
                 &target,
                 None,
                 &json!({ "delivery": d }),

@@ -9,7 +9,7 @@ use chrono::Utc;
 use futures::TryStreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::api::ApiError;
+use turnstile_shared::api::{ApiError, ErrorCode};
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::runs::RunRecord;
 use turnstile_shared::schedules::{
@@ -22,6 +22,7 @@ use turnstile_shared::{subjects, RunId};
 use crate::cron::CronSpec;
 use crate::ticker::{fire, schedule_event, start_run, update, TickError};
 use crate::{Ctx, Error};
+use turnstile_shared::events::EventKind;
 
 /// Slots a backfill may fire at once.
 const MAX_BACKFILL: usize = 500;
@@ -115,7 +116,7 @@ async fn add(ctx: Arc<Ctx>, spec: ScheduleSpec) -> Result<ScheduleRecord, ApiErr
         .ok_or_else(|| ApiError::not_found(format!("no session {}", spec.session)))?;
     if !session.is_active() {
         return Err(ApiError::new(
-            "stopped",
+            ErrorCode::Stopped,
             format!("session {} is stopped", session.id),
         ));
     }
@@ -138,11 +139,11 @@ async fn add(ctx: Arc<Ctx>, spec: ScheduleSpec) -> Result<ScheduleRecord, ApiErr
         .is_none()
     {
         return Err(ApiError::new(
-            "exists",
+            ErrorCode::Exists,
             format!("schedule {:?} exists", spec.name),
         ));
     }
-    schedule_event(&ctx, &spec.name, "schedule.added", json!(record)).await;
+    schedule_event(&ctx, &spec.name, EventKind::ScheduleAdded, json!(record)).await;
     Ok(record)
 }
 
@@ -220,7 +221,7 @@ async fn pause(ctx: Arc<Ctx>, req: PauseSchedule) -> Result<ScheduleRecord, ApiE
     schedule_event(
         &ctx,
         &req.name,
-        "schedule.paused",
+        EventKind::SchedulePaused,
         json!({ "note": req.note }),
     )
     .await;
@@ -232,7 +233,7 @@ async fn resume(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleRecord, ApiEr
     let rec = update(&ctx, &req.name, |r| r.paused = None)
         .await
         .map_err(tick)?;
-    schedule_event(&ctx, &req.name, "schedule.resumed", json!({})).await;
+    schedule_event(&ctx, &req.name, EventKind::ScheduleResumed, json!({})).await;
     Ok(rec)
 }
 
@@ -245,7 +246,13 @@ async fn trigger(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<RunRecord, ApiError>
     update(&ctx, &req.name, |r| r.last_run = Some(run.clone()))
         .await
         .map_err(tick)?;
-    schedule_event(&ctx, &req.name, "schedule.triggered", json!({ "run": run })).await;
+    schedule_event(
+        &ctx,
+        &req.name,
+        EventKind::ScheduleTriggered,
+        json!({ "run": run }),
+    )
+    .await;
     Ok(rec)
 }
 
@@ -295,6 +302,6 @@ async fn delete(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleRecord, ApiEr
         .delete(&req.name)
         .await
         .map_err(internal)?;
-    schedule_event(&ctx, &req.name, "schedule.deleted", json!({})).await;
+    schedule_event(&ctx, &req.name, EventKind::ScheduleDeleted, json!({})).await;
     Ok(s)
 }

@@ -12,7 +12,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ApiError};
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events;
+use turnstile_shared::events::{self, EventKind};
 use turnstile_shared::kv::Change;
 use turnstile_shared::runs::{RunRecord, StartRun};
 use turnstile_shared::schedules::{slot_key, slot_run, ScheduleRecord, SlotOutcome, SlotRecord};
@@ -49,7 +49,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             None
         }
     };
-    let mut run_ends = ctx.client.subscribe("ts.events.session.*.run.>").await.ok();
+    let mut run_ends = ctx.client.subscribe(subjects::ALL_RUN_EVENTS).await.ok();
     loop {
         let next = match pass(&ctx).await {
             Ok(next) => next,
@@ -257,15 +257,9 @@ async fn record(
             return Ok(existing);
         }
     }
-    let k = format!("slot.{}", rec.outcome.name());
-    let env = Envelope::new(&k, &rec)?.with_id(format!("{key}:{k}"));
-    events::publish_durable(
-        &ctx.js,
-        subjects::event("schedule", schedule, &k),
-        &env,
-        None,
-    )
-    .await?;
+    let k = rec.outcome.event_kind().as_str();
+    let env = Envelope::new(k, &rec)?.with_id(format!("{key}:{k}"));
+    events::publish_durable(&ctx.js, subjects::schedule_event(schedule, k), &env, None).await?;
     Ok(rec)
 }
 
@@ -294,12 +288,13 @@ pub(crate) async fn update(
 }
 
 /// An event about a schedule itself (`schedule.added`, ...).
-pub(crate) async fn schedule_event(ctx: &Ctx, name: &str, k: &str, data: serde_json::Value) {
+pub(crate) async fn schedule_event(ctx: &Ctx, name: &str, k: EventKind, data: serde_json::Value) {
+    let k = k.as_str();
     let env = Envelope::new(k, &json!({ "schedule": name, "data": data }));
     match env {
         Ok(env) => {
             if let Err(e) =
-                events::publish_durable(&ctx.js, subjects::event("schedule", name, k), &env, None)
+                events::publish_durable(&ctx.js, subjects::schedule_event(name, k), &env, None)
                     .await
             {
                 tracing::warn!(schedule = name, error = %e, "schedule event");

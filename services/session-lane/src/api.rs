@@ -9,10 +9,10 @@ use chrono::Utc;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{
-    ApiError, CreateSession, ListSessions, SendTurn, SessionRef, SessionView,
+    ApiError, CreateSession, ErrorCode, ListSessions, SendTurn, SessionRef, SessionView,
 };
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::{
     reason, transport_kind, AgentKind, HostRecord, LaneItem, SessionRecord, SessionState,
@@ -96,7 +96,7 @@ async fn place(ctx: &Ctx, pinned: Option<HostName>) -> Result<HostName, ApiError
             return Ok(h);
         }
         return Err(ApiError::new(
-            "no_host",
+            ErrorCode::NoHost,
             format!("host {h} is not heartbeating; start `turnstile-transport-agent --host {h}`"),
         ));
     }
@@ -119,7 +119,7 @@ async fn place(ctx: &Ctx, pinned: Option<HostName>) -> Result<HostName, ApiError
         .map(|(_, h)| h)
         .ok_or_else(|| {
             ApiError::new(
-                "no_host",
+                ErrorCode::NoHost,
                 "no transport host is heartbeating; start `turnstile-transport-agent --host NAME`",
             )
         })
@@ -198,7 +198,7 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
         .await
         .map_err(internal)?;
     let ev = session_event(
-        kind::SESSION_CREATED,
+        EventKind::SessionCreated,
         &record.id,
         None,
         &json!({ "name": record.name, "agent": record.agent, "host": host, "cwd": record.cwd }),
@@ -211,7 +211,10 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
 async fn active_session(ctx: &Ctx, id: &SessionId) -> Result<SessionRecord, ApiError> {
     match ctx.buckets.sessions.get::<SessionRecord>(id.as_str()).await {
         Ok(Some((r, _))) if r.is_active() => Ok(r),
-        Ok(Some(_)) => Err(ApiError::new("stopped", format!("session {id} is stopped"))),
+        Ok(Some(_)) => Err(ApiError::new(
+            ErrorCode::Stopped,
+            format!("session {id} is stopped"),
+        )),
         Ok(None) => Err(ApiError::not_found(format!("no session {id}"))),
         Err(e) => Err(internal(e)),
     }
@@ -255,7 +258,7 @@ async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
     };
     // `turn.queued` before the item, so no reader sees a turn start before it was queued.
     let ev = session_event(
-        kind::TURN_QUEUED,
+        EventKind::TurnQueued,
         &session.id,
         Some(&turn),
         &json!({ "text": req.text }),
@@ -315,7 +318,7 @@ async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord, ApiError>
     drain_lane(&ctx, &record.id).await?;
     ctx.forget_completion_consumer(&record.id);
     let ev =
-        session_event(kind::SESSION_STOPPED, &record.id, None, &json!({})).map_err(internal)?;
+        session_event(EventKind::SessionStopped, &record.id, None, &json!({})).map_err(internal)?;
     events::publish(&ctx.js, &ev).await.map_err(internal)?;
     Ok(record.redacted())
 }
@@ -551,7 +554,7 @@ async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord, ApiError> 
         .await
         .map_err(internal)?;
     let ev = session_event(
-        "run.queued",
+        EventKind::RunQueued,
         &session.id,
         None,
         &json!({ "run": id, "schedule": record.schedule }),
@@ -653,7 +656,7 @@ async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
         .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
     let RunState::Failed { message_index, .. } = current.state else {
         return Err(ApiError::new(
-            "not_failed",
+            ErrorCode::NotFailed,
             format!(
                 "run {} is {}; only a failed run is retried",
                 req.run,
@@ -708,7 +711,7 @@ async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
         .await
         .map_err(internal)?;
     let ev = session_event(
-        "run.retried",
+        EventKind::RunRetried,
         &session.id,
         None,
         &json!({ "run": next.id, "attempt": next.attempt, "message_index": message_index }),

@@ -12,7 +12,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::delivery::{self, Completion, DeliveryItem, COMPLETION_KIND, DELIVERY_CAP};
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::ExecutionRecord;
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
@@ -258,7 +258,7 @@ async fn reject(ctx: &Ctx, session: &SessionId, m: &jetstream::Message, reason: 
     let seq = m.info().map(|i| i.stream_sequence).unwrap_or_default();
     let dlq = subjects::completion_deadletter(session);
     let ev = session_event(
-        kind::COMPLETION_REJECTED,
+        EventKind::CompletionRejected,
         session,
         None,
         &json!({ "reason": reason, "subject": m.subject.as_str(), "seq": seq, "dead_letter": dlq }),
@@ -303,9 +303,9 @@ pub(crate) async fn settle(
         }
     }
     let k = if completed {
-        kind::DELIVERY_COMPLETED
+        EventKind::DeliveryCompleted
     } else {
-        kind::DELIVERY_FAILED
+        EventKind::DeliveryFailed
     };
     let data = json!({
         "delivery": carried.delivery,
@@ -345,7 +345,7 @@ async fn arm_with(js: &jetstream::Context, deliveries: &Bucket, session: &Sessio
     match delivery::arm(js, deliveries, session).await {
         Ok(Some(d)) => {
             if let Ok(ev) = session_event(
-                kind::DELIVERY_QUEUED,
+                EventKind::DeliveryQueued,
                 session,
                 None,
                 &json!({ "delivery": d }),

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::records::{
     transport_kind, LaneItem, SessionRecord, TurnCommand, TurnItem, TurnRecord, TurnState,
 };
@@ -176,7 +176,7 @@ pub(crate) async fn reject(
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
     let dlq = subjects::lane_deadletter(&session.id);
     let event = session_event(
-        kind::LANE_REJECTED,
+        EventKind::LaneRejected,
         &session.id,
         None,
         &json!({ "reason": reason, "lane_seq": seq, "dead_letter": dlq }),
@@ -275,7 +275,7 @@ pub(crate) async fn dispatch(
 ) -> Result<(), async_nats::Error> {
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
     let started = session_event(
-        kind::TURN_STARTED,
+        EventKind::TurnStarted,
         &session.id,
         Some(turn),
         &json!({ "replica": ctx.replica, "host": session.host, "delivery": delivered }),
@@ -456,7 +456,7 @@ pub(crate) fn outcome_event(
             ended_at,
             output,
         } => (
-            kind::TURN_COMPLETED,
+            EventKind::TurnCompleted,
             json!({ "host": host, "typed_at": typed_at, "ended_at": ended_at, "output": output }),
         ),
         TurnState::Failed {
@@ -465,11 +465,11 @@ pub(crate) fn outcome_event(
             ended_at,
             output,
         } => (
-            kind::TURN_FAILED,
+            EventKind::TurnFailed,
             json!({ "reason": reason, "detail": detail, "ended_at": ended_at, "output": output }),
         ),
         other => (
-            kind::TURN_FAILED,
+            EventKind::TurnFailed,
             json!({ "reason": "not_terminal", "detail": other.name() }),
         ),
     };

@@ -14,9 +14,9 @@ use chrono::Utc;
 use futures::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::api;
+use turnstile_shared::api::{self, ErrorCode};
 use turnstile_shared::delivery::{self, Completion, DeliveryItem, DeliveryMarker};
-use turnstile_shared::events::{self, session_event};
+use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::runs::{run_reason, MessageProgress, RunItem, RunRecord, RunState};
@@ -27,13 +27,6 @@ use turnstile_shared::{DeliveryId, ExecutionId, SessionId, TurnId};
 use crate::delivery::{collect, disarm_and_recheck, settle, DeliveryError};
 use crate::lane::{dispatch, release, wait_terminal};
 use crate::Ctx;
-
-pub mod run_kind {
-    pub const STARTED: &str = "run.started";
-    pub const COMPLETED: &str = "run.completed";
-    pub const FAILED: &str = "run.failed";
-    pub const ROUND: &str = "run.round";
-}
 
 /// How often a wait for children re-reads the tree even without an event (a missed event
 /// costs at most this).
@@ -121,7 +114,7 @@ async fn start(ctx: &Ctx, record: RunRecord) -> Result<RunRecord, DriveError> {
     event(
         ctx,
         &next,
-        run_kind::STARTED,
+        EventKind::RunStarted,
         json!({ "messages": next.messages.len() }),
     )
     .await;
@@ -478,11 +471,7 @@ impl Driver<'_> {
         let mut events = match self
             .ctx
             .client
-            .subscribe(subjects::event(
-                "session",
-                self.session.id.as_str(),
-                "step.>",
-            ))
+            .subscribe(subjects::session_step_events(&self.session.id))
             .await
         {
             Ok(s) => Some(s),
@@ -581,7 +570,7 @@ impl Driver<'_> {
             "turn": record.id,
             "rounds": self.run.rounds(),
         });
-        event(self.ctx, &self.run, run_kind::ROUND, data).await;
+        event(self.ctx, &self.run, EventKind::RunRound, data).await;
     }
 
     /// Records the end (R12) and emits `run.completed` or `run.failed`.
@@ -601,11 +590,11 @@ impl Driver<'_> {
             .await?
             .ok_or(DriveError::Gone)?;
         let k = if matches!(next.state, RunState::Completed { .. }) {
-            run_kind::COMPLETED
+            EventKind::RunCompleted
         } else {
             // What the run started dies with it (R7): a completed run has none left (R5).
             self.cancel_owned_work(&next).await;
-            run_kind::FAILED
+            EventKind::RunFailed
         };
         let data = json!({ "state": next.state, "rounds": next.rounds() });
         event(self.ctx, &next, k, data).await;
@@ -627,7 +616,7 @@ impl Driver<'_> {
                     tracing::info!(run = %run.id, %turn, count = c.cancelled.len(), "cancelled the ended run's work")
                 }
                 Ok(_) => {}
-                Err(e) if e.code == "not_found" => {}
+                Err(e) if e.code == ErrorCode::NotFound => {}
                 Err(e) => {
                     tracing::warn!(run = %run.id, %turn, error = %e, "cancel the ended run's work")
                 }
@@ -666,12 +655,14 @@ fn collect_ids(node: &TreeNode, out: &mut Vec<ExecutionId>) {
     }
 }
 
-async fn event(ctx: &Ctx, run: &RunRecord, k: &str, data: serde_json::Value) {
+async fn event(ctx: &Ctx, run: &RunRecord, k: EventKind, data: serde_json::Value) {
     let mut data = data;
     data["run"] = json!(run.id);
     let ev = session_event(k, &run.session, None, &data).map(|e| {
         let id = match k {
-            run_kind::ROUND => format!("{}:{k}:{}", run.id, data["turn"].as_str().unwrap_or("")),
+            EventKind::RunRound => {
+                format!("{}:{k}:{}", run.id, data["turn"].as_str().unwrap_or(""))
+            }
             _ => format!("{}:{k}", run.id),
         };
         e.with_id(id)

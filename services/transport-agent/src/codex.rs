@@ -20,6 +20,14 @@ use crate::tail::{exit_status, Tail};
 
 const TAIL: usize = 20;
 
+/// Codex's own `exec --json` line types (its protocol, not Turnstile events).
+mod codex_line {
+    pub const THREAD_STARTED: &str = "thread.started";
+    pub const ITEM_COMPLETED: &str = "item.completed";
+    pub const TURN_COMPLETED: &str = "turn.completed";
+    pub const TURN_FAILED: &str = "turn.failed";
+}
+
 pub struct CodexAdapter {
     pub bin: PathBuf,
     pub data_dir: PathBuf,
@@ -100,7 +108,7 @@ impl CodexAdapter {
                     continue;
                 };
                 match event.get("type").and_then(Value::as_str) {
-                    Some("thread.started") => {
+                    Some(codex_line::THREAD_STARTED) => {
                         let id = event
                             .get("thread_id")
                             .and_then(Value::as_str)
@@ -109,7 +117,7 @@ impl CodexAdapter {
                             m.insert(spec.id.clone(), id);
                         }
                     }
-                    Some("item.completed")
+                    Some(codex_line::ITEM_COMPLETED)
                         if event.pointer("/item/type").and_then(Value::as_str)
                             == Some("agent_message") =>
                     {
@@ -117,12 +125,12 @@ impl CodexAdapter {
                             said.extend(t.lines().map(str::to_string));
                         }
                     }
-                    Some("turn.completed") => return Some(Ok(())),
-                    Some("turn.failed") => {
+                    Some(codex_line::TURN_COMPLETED) => return Some(Ok(())),
+                    Some(codex_line::TURN_FAILED) => {
                         let msg = event
                             .pointer("/error/message")
                             .and_then(Value::as_str)
-                            .unwrap_or("turn.failed")
+                            .unwrap_or(codex_line::TURN_FAILED)
                             .to_string();
                         return Some(Err(msg));
                     }

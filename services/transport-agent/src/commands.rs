@@ -10,7 +10,7 @@ use chrono::Utc;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events::{self, host_event, kind, session_event};
+use turnstile_shared::events::{self, host_event, session_event, EventKind};
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::{
     reason, transport_kind, SessionRecord, StartCommand, StopCommand, TurnCommand, TurnRecord,
@@ -74,7 +74,7 @@ pub(crate) async fn refuse(ctx: &Ctx, msg: &jetstream::Message, reason: &str) {
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
     let dlq = subjects::transport_deadletter(host);
     let event = host_event(
-        kind::TRANSPORT_REJECTED,
+        EventKind::TransportRejected,
         host,
         &json!({ "reason": reason, "subject": msg.subject.as_str(), "dead_letter": dlq }),
     )
@@ -161,7 +161,7 @@ async fn ensure_ready(ctx: &Ctx, spec: &SessionSpec) -> Result<(), TurnEnd> {
             }
             if ready.launched {
                 let ev = session_event(
-                    kind::TERMINAL_READY,
+                    EventKind::TerminalReady,
                     &spec.id,
                     None,
                     &json!({ "host": ctx.config.host, "conversation": ready.conversation }),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use chrono::Utc;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::events::{self, host_event, kind};
+use turnstile_shared::events::{self, host_event, EventKind};
 use turnstile_shared::records::HostRecord;
 
 use crate::{Ctx, Error};
@@ -31,7 +31,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<()
                 match ctx.buckets.hosts.put(host.as_str(), &record).await {
                     Ok(_) if !announced => {
                         announced = true;
-                        if let Ok(ev) = host_event(kind::HOST_UP, &host, &json!({ "started_at": started_at })) {
+                        if let Ok(ev) = host_event(EventKind::HostUp, &host, &json!({ "started_at": started_at })) {
                             let _ = events::publish(&ctx.js, &ev).await;
                         }
                     }

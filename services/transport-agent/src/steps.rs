@@ -254,13 +254,13 @@ async fn call(
         .await
         {
             Ok(ack) => return Some(ack),
-            Err(ApiError { code, message }) if code == "timeout" || code == "unavailable" => {
+            Err(ApiError { code, message }) if code.is_transient() => {
                 tracing::warn!(step = %item.step, %message, "broker unreachable; retrying report");
             }
             Err(e) => {
                 tracing::warn!(step = %item.step, error = %e, "report refused");
                 return Some(ReportAck {
-                    status: e.code,
+                    status: e.code.to_string(),
                     stop: true,
                 });
             }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::events::{self, kind, session_event};
+use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::SessionId;
 
 use crate::tmux::Tmux;
@@ -57,7 +57,7 @@ async fn report(ctx: &Ctx, tmux: &Tmux, session: &SessionId, name: &str, status:
         "last_lines": last_lines,
         "next": "the next turn resumes the same conversation once (R9)",
     });
-    let ev = session_event(kind::TERMINAL_DIED, session, None, &data).map(|e| {
+    let ev = session_event(EventKind::TerminalDied, session, None, &data).map(|e| {
         e.with_id(format!(
             "{session}:terminal.died:{}",
             uuid::Uuid::now_v7().simple()

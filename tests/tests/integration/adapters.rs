@@ -2,6 +2,7 @@
 //! a turn, an error result, a mid-turn crash, and a resume in the same conversation.
 
 use std::time::Duration;
+use turnstile_shared::api::ErrorCode;
 
 use anyhow::{ensure, Context, Result};
 use turnstile_shared::records::{AgentKind, TurnState};
@@ -141,7 +142,7 @@ async fn generic(stack: &mut Stack) -> Result<()> {
             .await
             {
                 Ok(r) => Ok(Some(r.id)),
-                Err(e) if e.code == "no_host" => Ok(None),
+                Err(e) if e.code == ErrorCode::NoHost => Ok(None),
                 Err(e) => Err(e.into()),
             }
         }
@@ -220,7 +221,7 @@ async fn ready_timeout(stack: &mut Stack) -> Result<()> {
             .await
             {
                 Ok(r) => Ok(Some(r.id)),
-                Err(e) if e.code == "no_host" => Ok(None),
+                Err(e) if e.code == ErrorCode::NoHost => Ok(None),
                 Err(e) => Err(e.into()),
             }
         }

@@ -1,6 +1,7 @@
 //! R15: malformed lane items are refused with a clear reason, and the lane keeps serving.
 
 use std::time::Duration;
+use turnstile_shared::api::ErrorCode;
 
 use anyhow::{ensure, Context, Result};
 use turnstile_shared::records::TurnState;
@@ -144,7 +145,7 @@ async fn bad_broker_input(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::api::{self, ApiError};
     use turnstile_shared::subjects::api as subj;
     let refused = |r: Result<serde_json::Value, ApiError>| match r {
-        Err(e) if e.code == "bad_request" => Ok(e.message),
+        Err(e) if e.code == ErrorCode::BadRequest => Ok(e.message),
         other => Err(anyhow::anyhow!("expected bad_request, got {other:?}")),
     };
     // Not a step request at all (once the broker answers), and a command step without a
@@ -161,7 +162,7 @@ async fn bad_broker_input(stack: &mut Stack) -> Result<()> {
             )
             .await;
             Ok(match r {
-                Err(e) if e.code == "unavailable" || e.code == "timeout" => None,
+                Err(e) if e.code == ErrorCode::Unavailable || e.code == ErrorCode::Timeout => None,
                 other => Some(other),
             })
         }

@@ -1,6 +1,7 @@
 //! The exact tree (R6), cancellation by ownership (R7) and delivery only to the owner (R8).
 
 use std::time::Duration;
+use turnstile_shared::api::ErrorCode;
 
 use anyhow::{ensure, Context, Result};
 use turnstile_shared::execution::{ExecKind, Scope};
@@ -339,7 +340,7 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
         .await
         .expect_err("another session's token");
     ensure!(
-        err.code == "unauthorized" && err.message.contains("wrong token"),
+        err.code == ErrorCode::Unauthorized && err.message.contains("wrong token"),
         "{err}"
     );
     let err = stack
@@ -350,7 +351,7 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
         }))
         .await
         .expect_err("forged token");
-    ensure!(err.code == "unauthorized", "{err}");
+    ensure!(err.code == ErrorCode::Unauthorized, "{err}");
     let err = stack
         .start_step(&start(Caller {
             session: None,
@@ -359,13 +360,13 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
         }))
         .await
         .expect_err("unknown step");
-    ensure!(err.code == "unauthorized", "{err}");
+    ensure!(err.code == ErrorCode::Unauthorized, "{err}");
     // A session holding no turn cannot start steps (R6).
     let err = stack
         .start_step(&start(stack.caller(&b).await?))
         .await
         .expect_err("no turn");
-    ensure!(err.code == "no_turn", "{err}");
+    ensure!(err.code == ErrorCode::NoTurn, "{err}");
 
     // A completion of A's step addressed to B, published straight onto B's queue.
     let forged = Completion::of(&stack.exec(&mine.id).await?.context("mine")?);

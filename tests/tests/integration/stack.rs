@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
+use turnstile_shared::api::ErrorCode;
 use turnstile_shared::api::{self, CreateSession, SendTurn, SessionRef, SessionView};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::ExecutionRecord;
@@ -215,9 +216,7 @@ impl Stack {
                     .await
                 {
                     Ok(r) => Ok(Some(r)),
-                    Err(e) if ["no_host", "timeout", "unavailable"].contains(&e.code.as_str()) => {
-                        Ok(None)
-                    }
+                    Err(e) if e.code == ErrorCode::NoHost || e.code.is_transient() => Ok(None),
                     Err(e) => Err(e.into()),
                 }
             }
