@@ -9,7 +9,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use clap::{Args, Subcommand};
 use futures::StreamExt;
 use turnstile_shared::api;
-use turnstile_shared::config::parse_duration;
+use turnstile_shared::duration;
 use turnstile_shared::runs::{RunLimits, RunRecord, RunRef, RunState, StartRun};
 use turnstile_shared::schedules::ListRuns;
 use turnstile_shared::subjects::{self, api as subj};
@@ -24,10 +24,10 @@ pub struct LimitArgs {
     #[arg(long)]
     pub max_rounds: Option<u32>,
     /// Longest the run may go, e.g. 90m (default 3h).
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, value_parser = duration::parse_flag)]
     pub max_duration: Option<Duration>,
     /// Longest a round may go without agent output, e.g. 5m (default 10m).
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, value_parser = duration::parse_flag)]
     pub idle_timeout: Option<Duration>,
 }
 
@@ -232,7 +232,7 @@ async fn start(
                     "{} completed: {} rounds in {}",
                     rec.id,
                     rec.rounds(),
-                    fmt_dur(span(*started_at, *ended_at))
+                    duration::format(span(*started_at, *ended_at))
                 );
             }
             Ok(ExitCode::SUCCESS)
@@ -298,9 +298,13 @@ fn print_run(r: &RunRecord) {
         println!("started    {}", fmt_time(s));
     }
     match (started, ended) {
-        (Some(s), Some(e)) => println!("ended      {} (took {})", fmt_time(e), fmt_dur(span(s, e))),
+        (Some(s), Some(e)) => println!(
+            "ended      {} (took {})",
+            fmt_time(e),
+            duration::format(span(s, e))
+        ),
         (None, Some(e)) => println!("ended      {} (never started)", fmt_time(e)),
-        (Some(s), None) => println!("running    for {}", fmt_dur(span(s, Utc::now()))),
+        (Some(s), None) => println!("running    for {}", duration::format(span(s, Utc::now()))),
         (None, None) => {}
     }
     println!("limits     {}", limits_line(&r.limits));
@@ -344,8 +348,8 @@ pub(crate) fn limits_line(l: &RunLimits) -> String {
     format!(
         "max {} rounds, max duration {}, idle timeout {}",
         l.max_rounds,
-        fmt_dur(l.max_duration),
-        fmt_dur(l.idle_timeout)
+        duration::format(l.max_duration),
+        duration::format(l.idle_timeout)
     )
 }
 
@@ -356,34 +360,6 @@ fn span(from: DateTime<Utc>, to: DateTime<Utc>) -> Duration {
 /// RFC 3339 in UTC, to the second.
 pub(crate) fn fmt_time(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Secs, true)
-}
-
-/// `500ms`, `1.5s`, `45s`, `2m30s`, `10m`, `3h`, `1h30m`.
-pub(crate) fn fmt_dur(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms < 1_000 {
-        return format!("{ms}ms");
-    }
-    if ms < 60_000 {
-        return if ms.is_multiple_of(1_000) {
-            format!("{}s", ms / 1_000)
-        } else {
-            format!("{:.1}s", ms as f64 / 1000.0)
-        };
-    }
-    let secs = d.as_secs();
-    let (h, m, s) = (secs / 3600, (secs / 60) % 60, secs % 60);
-    let mut out = String::new();
-    if h > 0 {
-        out.push_str(&format!("{h}h"));
-    }
-    if m > 0 {
-        out.push_str(&format!("{m}m"));
-    }
-    if s > 0 {
-        out.push_str(&format!("{s}s"));
-    }
-    out
 }
 
 /// The first line of a message, at most 60 characters.
@@ -403,13 +379,6 @@ mod tests {
 
     #[test]
     fn durations_read_well() {
-        assert_eq!(fmt_dur(Duration::from_millis(500)), "500ms");
-        assert_eq!(fmt_dur(Duration::from_millis(1500)), "1.5s");
-        assert_eq!(fmt_dur(Duration::from_secs(45)), "45s");
-        assert_eq!(fmt_dur(Duration::from_secs(150)), "2m30s");
-        assert_eq!(fmt_dur(Duration::from_secs(600)), "10m");
-        assert_eq!(fmt_dur(Duration::from_secs(3 * 3600)), "3h");
-        assert_eq!(fmt_dur(Duration::from_secs(5400)), "1h30m");
         assert_eq!(first_line("fix it\nplease"), "fix it…");
         assert_eq!(first_line("short"), "short");
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use clap::Subcommand;
 use turnstile_shared::api;
-use turnstile_shared::config::parse_duration;
+use turnstile_shared::duration;
 use turnstile_shared::runs::RunRecord;
 use turnstile_shared::schedules::{
     Backfill, Catchup, ListSchedules, Overlap, PauseSchedule, ScheduleRecord, ScheduleRef,
@@ -15,7 +15,7 @@ use turnstile_shared::schedules::{
 use turnstile_shared::subjects::api as subj;
 use turnstile_shared::SessionId;
 
-use crate::runs::{first_line, fmt_dur, fmt_time, limits_line, LimitArgs};
+use crate::runs::{first_line, fmt_time, limits_line, LimitArgs};
 
 const API_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -45,13 +45,13 @@ pub enum ScheduleCommand {
         #[arg(long, value_parser = str::parse::<Overlap>)]
         overlap: Option<Overlap>,
         /// How far back missed slots are considered when the scheduler comes back.
-        #[arg(long, default_value = "1h", value_parser = parse_duration)]
+        #[arg(long, default_value = "1h", value_parser = duration::parse_flag)]
         catchup_window: Duration,
         /// Which missed slots in the window fire: latest, all or none (default latest).
         #[arg(long, value_parser = str::parse::<Catchup>)]
         catchup: Option<Catchup>,
         /// A slot fired later than this after its time is marked late.
-        #[arg(long, default_value = "1m", value_parser = parse_duration)]
+        #[arg(long, default_value = "1m", value_parser = duration::parse_flag)]
         late_threshold: Duration,
         #[command(flatten)]
         limits: LimitArgs,
@@ -341,9 +341,9 @@ fn print_view(v: &ScheduleView) {
     println!(
         "catch-up   {} within {}",
         catchup_name(s.catchup),
-        fmt_dur(s.catchup_window)
+        duration::format(s.catchup_window)
     );
-    println!("late after {}", fmt_dur(s.late_threshold));
+    println!("late after {}", duration::format(s.late_threshold));
     println!("limits     {}", limits_line(&s.limits));
     println!("created    {}", fmt_time(r.created_at));
     println!(

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Subcommand;
 use futures::StreamExt;
 use turnstile_shared::api::{self, CreateSession, ListSessions, SendTurn, SessionRef, SessionView};
-use turnstile_shared::config::parse_duration;
+use turnstile_shared::duration;
 use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::{HostName, SessionId, TurnId};
@@ -30,7 +30,7 @@ pub enum SessionCommand {
         cwd: Option<PathBuf>,
         /// How long a launch or resume may take to reach a ready prompt (R9); the host's
         /// `--ready-timeout` when absent.
-        #[arg(long, value_parser = parse_duration)]
+        #[arg(long, value_parser = duration::parse_flag)]
         ready_timeout: Option<Duration>,
         #[arg(long)]
         json: bool,
@@ -53,7 +53,7 @@ pub enum SessionCommand {
         #[arg(long)]
         wait: bool,
         /// With --wait: give up waiting after this long (exit 3); the turn goes on.
-        #[arg(long, default_value = "1h", value_parser = parse_duration)]
+        #[arg(long, default_value = "1h", value_parser = duration::parse_flag)]
         timeout: Duration,
         #[arg(long)]
         json: bool,

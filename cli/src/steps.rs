@@ -240,10 +240,14 @@ fn print_tree(node: &TreeNode, depth: usize) {
 /// `id  kind  status  duration  name  [scope]`.
 fn line(r: &ExecutionRecord) -> String {
     let duration = match (r.status.started_at(), r.status.ended_at()) {
-        (Some(s), Some(e)) => human((e - s).to_std().unwrap_or_default()),
+        (Some(s), Some(e)) => {
+            turnstile_shared::duration::format((e - s).to_std().unwrap_or_default())
+        }
         (Some(s), None) => format!(
             "{} so far",
-            human((chrono::Utc::now() - s).to_std().unwrap_or_default())
+            turnstile_shared::duration::format(
+                (chrono::Utc::now() - s).to_std().unwrap_or_default()
+            )
         ),
         _ => "-".to_string(),
     };
@@ -261,15 +265,4 @@ fn line(r: &ExecutionRecord) -> String {
         r.scope,
         r.status.summary()
     )
-}
-
-fn human(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms < 1_000 {
-        format!("{ms}ms")
-    } else if ms < 60_000 {
-        format!("{:.1}s", ms as f64 / 1000.0)
-    } else {
-        format!("{}m{:02}s", ms / 60_000, (ms / 1000) % 60)
-    }
 }

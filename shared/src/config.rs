@@ -17,16 +17,16 @@ pub struct NatsArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct TopologyArgs {
     /// Redelivery wait of lane items (progress-acked while a turn runs), e.g. `30s`.
-    #[arg(long, env = "TURNSTILE_LANE_ACK_WAIT", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "TURNSTILE_LANE_ACK_WAIT", default_value = "30s", value_parser = crate::duration::parse_flag)]
     pub lane_ack_wait: Duration,
     /// How long a session-lane replica keeps a lane's pin after it stops pulling.
-    #[arg(long, env = "TURNSTILE_LANE_PIN_TTL", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "TURNSTILE_LANE_PIN_TTL", default_value = "30s", value_parser = crate::duration::parse_flag)]
     pub lane_pin_ttl: Duration,
     /// Redelivery wait of transport commands.
-    #[arg(long, env = "TURNSTILE_TRANSPORT_ACK_WAIT", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "TURNSTILE_TRANSPORT_ACK_WAIT", default_value = "30s", value_parser = crate::duration::parse_flag)]
     pub transport_ack_wait: Duration,
     /// A host that has not heartbeaten for this long counts as gone.
-    #[arg(long, env = "TURNSTILE_HOST_TTL", default_value = "15s", value_parser = parse_duration)]
+    #[arg(long, env = "TURNSTILE_HOST_TTL", default_value = "15s", value_parser = crate::duration::parse_flag)]
     pub host_ttl: Duration,
 }
 
@@ -40,29 +40,6 @@ impl TopologyArgs {
             ..TopologyConfig::default()
         }
     }
-}
-
-/// Parses `250ms`, `3s`, `2m`, `1h` or bare seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?} (use e.g. 500ms, 3s, 2m, 1h)"))?;
-    let secs = match unit.trim() {
-        "ms" => n / 1000.0,
-        "" | "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        other => return Err(format!("invalid duration unit {other:?} in {s:?}")),
-    };
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(format!("invalid duration {s:?}"));
-    }
-    Ok(Duration::from_secs_f64(secs))
 }
 
 /// Splits `nats://user:password@host:port` into the address and its credentials: async-nats
@@ -158,16 +135,6 @@ pub async fn start(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("3s"), Ok(Duration::from_secs(3)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert_eq!(parse_duration("5"), Ok(Duration::from_secs(5)));
-        assert!(parse_duration("5x").is_err());
-        assert!(parse_duration("").is_err());
-    }
 
     #[test]
     fn credentials_leave_the_url() {

@@ -126,7 +126,7 @@ impl Adapter for InstantAdapter {
         let hold: Duration = text
             .lines()
             .filter_map(|l| l.trim().strip_prefix("!sleep "))
-            .filter_map(|d| turnstile_shared::config::parse_duration(d.trim()).ok())
+            .filter_map(|d| turnstile_shared::duration::parse(d).ok())
             .sum();
         Box::pin(async move {
             if !hold.is_zero() {

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::config::{parse_duration, NatsArgs, TopologyArgs};
+use turnstile_shared::config::{NatsArgs, TopologyArgs};
+use turnstile_shared::duration;
 use turnstile_shared::HostName;
 
 #[derive(Parser)]
@@ -38,10 +39,10 @@ struct Args {
     /// The Codex CLI for `codex` sessions.
     #[arg(long, env = "TURNSTILE_CODEX_BIN", default_value = "codex")]
     codex_bin: PathBuf,
-    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    #[arg(long, default_value = "120s", value_parser = duration::parse_flag)]
     ready_timeout: Duration,
     /// A turn not back at the prompt by then fails with `turn_timeout`.
-    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    #[arg(long, default_value = "1h", value_parser = duration::parse_flag)]
     turn_timeout: Duration,
 }
 
