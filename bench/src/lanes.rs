@@ -11,7 +11,8 @@ use anyhow::{bail, Context, Result};
 use crate::inproc::{create_sessions, start_lane, start_transport};
 use futures::StreamExt;
 use turnstile_shared::events;
-use turnstile_shared::records::{LaneItem, TurnItem, TurnRecord, TurnState};
+use turnstile_shared::lane::{LaneItem, TurnItem};
+use turnstile_shared::records::{TurnRecord, TurnState};
 use turnstile_shared::subjects;
 use turnstile_shared::{SessionId, TurnId};
 

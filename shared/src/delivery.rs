@@ -1,9 +1,7 @@
 //! Completions and their hand-over (R3): the completion message a finished execution leaves
-//! for each target session, and arming the one `delivery` lane item a session may have waiting.
+//! for each target session, the delivery item and the marker that keeps it to one per session
+//! (arming it is in `arming`).
 
-use std::time::Duration;
-
-use async_nats::jetstream;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
@@ -11,8 +9,6 @@ use crate::envelope::{Envelope, EnvelopeError};
 use crate::execution::ExecutionRecord;
 use crate::ids::{DeliveryId, ExecutionId, SessionId};
 use crate::kv::{Bucket, KvError};
-use crate::records::{lane_kind, LaneItem};
-use crate::{events, subjects};
 
 /// The most completions one delivery turn carries; the rest go in the next delivery.
 pub const DELIVERY_CAP: usize = 100;
@@ -88,126 +84,6 @@ pub struct DeliveryItem {
     /// The revision of the marker that armed it, so the lane clears it in one round trip.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub marker_rev: Option<u64>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ArmError {
-    #[error(transparent)]
-    Kv(#[from] KvError),
-    #[error(transparent)]
-    Publish(#[from] events::PublishError),
-    #[error(transparent)]
-    Envelope(#[from] EnvelopeError),
-    #[error("read lane of {session}: {source}")]
-    Lane {
-        session: SessionId,
-        source: async_nats::Error,
-    },
-}
-
-/// A marker younger than this is trusted to have its item on the lane (its publish may still
-/// be in flight); an older one is checked against the lane itself.
-const MARKER_TRUST: Duration = Duration::from_secs(5);
-
-/// Makes sure one `delivery` item waits on the session's lane (R3): claims the marker and
-/// publishes the item, or finds the one already armed. Returns the delivery it armed, if new.
-/// Safe to repeat and to race: a marker exists at most once per session, and a marker whose
-/// item was lost (a crash between the two writes) is re-published under the same id.
-pub async fn arm(
-    js: &jetstream::Context,
-    deliveries: &Bucket,
-    session: &SessionId,
-) -> Result<Option<DeliveryId>, ArmError> {
-    match claim(js, deliveries, session).await? {
-        Some((marker, rev)) => {
-            publish_item(js, session, &marker, rev).await?;
-            Ok(Some(marker.delivery))
-        }
-        None => Ok(None),
-    }
-}
-
-/// The first half of [`arm`]: the marker this caller must publish an item for, if any. Tries
-/// the create first (one round trip when nothing is armed, the common case).
-pub async fn claim(
-    js: &jetstream::Context,
-    deliveries: &Bucket,
-    session: &SessionId,
-) -> Result<Option<(DeliveryMarker, u64)>, ArmError> {
-    let key = session.as_str();
-    let fresh = DeliveryMarker {
-        delivery: DeliveryId::new(),
-        armed_at: Utc::now(),
-    };
-    if let Some(rev) = deliveries.create(key, &fresh).await? {
-        return Ok(Some((fresh, rev)));
-    }
-    let Some((m, rev)) = deliveries.get::<DeliveryMarker>(key).await? else {
-        // Taken by the lane between the two calls: a later completion arms again.
-        return Ok(None);
-    };
-    let age = (Utc::now() - m.armed_at).to_std().unwrap_or_default();
-    if age < MARKER_TRUST || on_lane(js, session, &m.delivery).await? {
-        return Ok(None);
-    }
-    Ok(Some((m, rev)))
-}
-
-/// The second half of [`arm`]: the lane item, de-duplicated by the delivery id.
-pub async fn publish_item(
-    js: &jetstream::Context,
-    session: &SessionId,
-    marker: &DeliveryMarker,
-    rev: u64,
-) -> Result<(), ArmError> {
-    let item = LaneItem::Delivery(DeliveryItem {
-        delivery: marker.delivery.clone(),
-        marker_rev: Some(rev),
-    });
-    let env = item.to_envelope(session)?;
-    events::publish_durable(js, subjects::lane(session), &env, None).await?;
-    Ok(())
-}
-
-/// Whether the delivery item is still on the session's lane (queued or in flight), or a run
-/// is, which hands completions over itself.
-async fn on_lane(
-    js: &jetstream::Context,
-    session: &SessionId,
-    delivery: &DeliveryId,
-) -> Result<bool, ArmError> {
-    let lane_err = |e: async_nats::Error| ArmError::Lane {
-        session: session.clone(),
-        source: e,
-    };
-    let stream = js
-        .get_stream_no_info(subjects::LANE_STREAM)
-        .await
-        .map_err(|e| lane_err(e.into()))?;
-    let subject = subjects::lane(session);
-    let mut seq = 0;
-    loop {
-        match stream
-            .direct_get_next_for_subject(subject.as_str(), Some(seq + 1))
-            .await
-        {
-            Ok(msg) => {
-                seq = msg.sequence;
-                if let Ok(env) = Envelope::decode(&msg.payload) {
-                    // A run on the lane is the session's deliverer while it lasts (R4).
-                    if (env.kind == lane_kind::DELIVERY && env.id == delivery.as_str())
-                        || env.kind == lane_kind::RUN
-                    {
-                        return Ok(true);
-                    }
-                }
-            }
-            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {
-                return Ok(false)
-            }
-            Err(e) => return Err(lane_err(e.into())),
-        }
-    }
 }
 
 /// Clears the session's marker if it still names `delivery` (the lane does this when the item

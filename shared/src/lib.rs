@@ -2,6 +2,7 @@
 //! records kept in KV, subject names and the JetStream topology.
 
 pub mod api;
+pub mod arming;
 pub mod config;
 pub mod consume;
 pub mod deadletter;
@@ -12,6 +13,7 @@ pub mod events;
 pub mod execution;
 pub mod ids;
 pub mod kv;
+pub mod lane;
 pub mod records;
 pub mod retry;
 pub mod runs;

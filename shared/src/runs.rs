@@ -210,23 +210,6 @@ pub struct RunRef {
     pub run: RunId,
 }
 
-/// The turn a lane item has in flight: the turn itself, a delivery's derived turn, or a run's
-/// latest turn (from its record). `None` for a run that has not typed anything yet.
-pub async fn current_turn(
-    item: &crate::records::LaneItem,
-    runs: &crate::kv::Bucket,
-) -> Result<Option<TurnId>, crate::kv::KvError> {
-    use crate::records::LaneItem;
-    Ok(match item {
-        LaneItem::Turn(t) => Some(t.turn.clone()),
-        LaneItem::Delivery(d) => Some(d.delivery.turn()),
-        LaneItem::Run(r) => runs
-            .get::<RunRecord>(r.run.as_str())
-            .await?
-            .and_then(|(rec, _)| rec.progress.last().and_then(|m| m.turns.last().cloned())),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -81,7 +81,7 @@ enum EndError {
     #[error(transparent)]
     Envelope(#[from] turnstile_shared::EnvelopeError),
     #[error(transparent)]
-    Arm(#[from] delivery::ArmError),
+    Arm(#[from] turnstile_shared::arming::ArmError),
 }
 
 async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
@@ -178,7 +178,9 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Resu
             Some(rev) => Some((fresh, rev)),
             // A delivery was armed already: decided again now that the completion is stored,
             // so one taken by the lane meanwhile cannot have missed it.
-            None => delivery::claim(&ctx.js, &ctx.buckets.deliveries, &target).await?,
+            None => {
+                turnstile_shared::arming::claim(&ctx.js, &ctx.buckets.deliveries, &target).await?
+            }
         };
         if !active {
             // Kept on TS_COMPLETION for operators; nothing will hand it over.
@@ -192,7 +194,7 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Resu
             continue;
         }
         if let Some((marker, rev)) = &claimed {
-            delivery::publish_item(&ctx.js, &target, marker, *rev).await?;
+            turnstile_shared::arming::publish_item(&ctx.js, &target, marker, *rev).await?;
         }
         let role = if record.owner.as_ref() == Some(&target) {
             "owner"

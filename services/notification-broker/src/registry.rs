@@ -4,7 +4,8 @@
 
 use turnstile_shared::execution::{ExecKind, ExecStatus, ExecutionRecord, Scope, StepResult};
 use turnstile_shared::kv::{Change, KvError};
-use turnstile_shared::records::{LaneItem, TurnRecord, TurnState};
+use turnstile_shared::lane::LaneItem;
+use turnstile_shared::records::{TurnRecord, TurnState};
 use turnstile_shared::step_api::{Ended, TreeNode};
 use turnstile_shared::{events, subjects, ExecutionId, SessionId, TurnId};
 
@@ -194,7 +195,7 @@ pub(crate) async fn lane_occupant(
     let Ok(item) = LaneItem::decode(&msg.payload, session) else {
         return Ok(None);
     };
-    Ok(turnstile_shared::runs::current_turn(&item, &ctx.buckets.runs).await?)
+    Ok(turnstile_shared::lane::current_turn(&item, &ctx.buckets.runs).await?)
 }
 
 /// Queues the end of an execution for the ended consumer (the one writer of terminal states).

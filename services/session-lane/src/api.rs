@@ -14,9 +14,10 @@ use turnstile_shared::api::{
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::kv::Change;
+use turnstile_shared::lane::{LaneItem, TurnItem};
 use turnstile_shared::records::{
-    reason, transport_kind, AgentKind, HostRecord, LaneItem, SessionRecord, SessionState,
-    StartCommand, StopCommand, TurnItem, TurnRecord, TurnState,
+    reason, transport_kind, AgentKind, HostRecord, SessionRecord, SessionState, StartCommand,
+    StopCommand, TurnRecord, TurnState,
 };
 use turnstile_shared::runs::{RunItem, RunRecord, RunRef, RunState, StartRun};
 use turnstile_shared::{subjects, topology, HostName, SessionId, TurnId};
@@ -477,7 +478,7 @@ async fn in_flight_turn(
 ) -> Option<TurnRecord> {
     let msg = stream.direct_get(seq).await.ok()?;
     let item = LaneItem::decode(&msg.payload, session).ok()?;
-    let turn: TurnId = turnstile_shared::runs::current_turn(&item, &ctx.buckets.runs)
+    let turn: TurnId = turnstile_shared::lane::current_turn(&item, &ctx.buckets.runs)
         .await
         .ok()
         .flatten()?;

@@ -342,7 +342,7 @@ async fn arm(ctx: &Ctx, session: &SessionId) {
 }
 
 async fn arm_with(js: &jetstream::Context, deliveries: &Bucket, session: &SessionId) {
-    match delivery::arm(js, deliveries, session).await {
+    match turnstile_shared::arming::arm(js, deliveries, session).await {
         Ok(Some(d)) => {
             if let Ok(ev) = session_event(
                 EventKind::DeliveryQueued,

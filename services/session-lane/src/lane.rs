@@ -14,8 +14,9 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
+use turnstile_shared::lane::{LaneItem, TurnItem};
 use turnstile_shared::records::{
-    transport_kind, LaneItem, SessionRecord, TurnCommand, TurnItem, TurnRecord, TurnState,
+    transport_kind, SessionRecord, TurnCommand, TurnRecord, TurnState,
 };
 use turnstile_shared::{deadletter, subjects, topology};
 

@@ -1,0 +1,130 @@
+//! The lane item: what a session's lane carries, one at a time (R1). It sits above the
+//! records it carries (a turn's text, a delivery, a run), encodes each as a versioned envelope
+//! de-duplicated by its id, and refuses on decode anything that is not for its lane (R15).
+
+use serde::{Deserialize, Serialize};
+
+use crate::delivery::DeliveryItem;
+use crate::envelope::{Envelope, EnvelopeError};
+use crate::ids::{SessionId, TurnId};
+use crate::kv::{Bucket, KvError};
+use crate::runs::{RunItem, RunRecord};
+
+/// Lane item types (the envelope's `type`).
+pub mod lane_kind {
+    pub const TURN: &str = "lane.turn";
+    pub const DELIVERY: &str = "lane.delivery";
+    pub const RUN: &str = "lane.run";
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnItem {
+    pub turn: TurnId,
+    pub text: String,
+}
+
+/// What a session's lane carries.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LaneItem {
+    Turn(TurnItem),
+    /// Hand every pending completion over in one turn (R3).
+    Delivery(DeliveryItem),
+    /// Drive a run's messages to completion (R5).
+    Run(RunItem),
+}
+
+impl LaneItem {
+    pub fn to_envelope(&self, session: &SessionId) -> Result<Envelope, EnvelopeError> {
+        match self {
+            Self::Turn(item) => Ok(Envelope::new(lane_kind::TURN, item)?
+                .with_session(session)
+                .with_turn(&item.turn)
+                .with_id(item.turn.to_string())),
+            Self::Delivery(item) => Ok(Envelope::new(lane_kind::DELIVERY, item)?
+                .with_session(session)
+                .with_id(item.delivery.to_string())),
+            Self::Run(item) => {
+                let id = match item.attempt {
+                    0 => item.run.to_string(),
+                    n => format!("{}:a{n}", item.run),
+                };
+                Ok(Envelope::new(lane_kind::RUN, item)?
+                    .with_session(session)
+                    .with_id(id))
+            }
+        }
+    }
+
+    /// Decodes a lane message, checking that it belongs to the lane it arrived on.
+    pub fn decode(bytes: &[u8], lane_session: &SessionId) -> Result<Self, LaneItemError> {
+        let env = Envelope::decode(bytes)?;
+        if env.session.as_ref() != Some(lane_session) {
+            return Err(LaneItemError::WrongSession {
+                found: env.session.map(|s| s.to_string()),
+            });
+        }
+        match env.kind.as_str() {
+            lane_kind::TURN => {
+                let item: TurnItem = env.data_as()?;
+                if env.turn.as_ref().is_some_and(|t| *t != item.turn) {
+                    return Err(LaneItemError::TurnMismatch);
+                }
+                Ok(Self::Turn(item))
+            }
+            lane_kind::DELIVERY => Ok(Self::Delivery(env.data_as()?)),
+            lane_kind::RUN => Ok(Self::Run(env.data_as()?)),
+            other => Err(LaneItemError::UnknownKind(other.to_string())),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaneItemError {
+    #[error(transparent)]
+    Envelope(#[from] EnvelopeError),
+    #[error("lane item names session {found:?}, not the lane's own session")]
+    WrongSession { found: Option<String> },
+    #[error("lane item's envelope turn differs from its data's turn")]
+    TurnMismatch,
+    #[error("unknown lane item type {0:?}")]
+    UnknownKind(String),
+}
+
+/// The turn a lane item has in flight: the turn itself, a delivery's derived turn, or a run's
+/// latest turn (from its record). `None` for a run that has not typed anything yet.
+pub async fn current_turn(item: &LaneItem, runs: &Bucket) -> Result<Option<TurnId>, KvError> {
+    Ok(match item {
+        LaneItem::Turn(t) => Some(t.turn.clone()),
+        LaneItem::Delivery(d) => Some(d.delivery.turn()),
+        LaneItem::Run(r) => runs
+            .get::<RunRecord>(r.run.as_str())
+            .await?
+            .and_then(|(rec, _)| rec.progress.last().and_then(|m| m.turns.last().cloned())),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lane_items_refuse_foreign_sessions_and_types() {
+        let s = SessionId::new();
+        let item = LaneItem::Turn(TurnItem {
+            turn: TurnId::new(),
+            text: "hello".into(),
+        });
+        let bytes = item.to_envelope(&s).expect("env").encode().expect("bytes");
+        assert_eq!(LaneItem::decode(&bytes, &s).expect("decode"), item);
+        let other = SessionId::new();
+        assert!(matches!(
+            LaneItem::decode(&bytes, &other),
+            Err(LaneItemError::WrongSession { .. })
+        ));
+        let env = Envelope::new("lane.bogus", &serde_json::json!({}))
+            .expect("env")
+            .with_session(&s);
+        let err = LaneItem::decode(&env.encode().expect("bytes"), &s).expect_err("kind");
+        assert!(err.to_string().contains("lane.bogus"));
+    }
+}
