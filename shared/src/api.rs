@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 use crate::ids::{HostName, SessionId, TurnId};
 use crate::records::{AgentKind, SessionRecord, TurnRecord};
 
+/// The most bytes one message (a turn's text, a run's message) may hold.
+pub const MAX_MESSAGE_BYTES: usize = 256 * 1024;
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CreateSession {
     pub agent: AgentKind,

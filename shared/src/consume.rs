@@ -10,25 +10,28 @@ use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
+use crate::retry::Backoff;
+
 /// Runs `attempt` until it returns `Ok` or `shutdown` fires; an error is logged (with `what`)
 /// and the attempt repeated after 100 ms, doubling to 2 s.
+/// How a consumer loop resumes after NATS restarts or a deleted consumer.
+pub const RESUME: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+
 pub async fn until_shutdown<F, Fut, E>(what: &str, shutdown: &CancellationToken, mut attempt: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<(), E>>,
     E: Display,
 {
-    let mut delay = Duration::from_millis(100);
+    let mut delays = RESUME.delays();
     while !shutdown.is_cancelled() {
         match attempt().await {
             Ok(()) => break,
             Err(e) => {
                 tracing::warn!(what, error = %e, "interrupted; resuming");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(delay) => {}
+                if !delays.wait_or_cancel(shutdown).await {
+                    break;
                 }
-                delay = (delay * 2).min(Duration::from_secs(2));
             }
         }
     }

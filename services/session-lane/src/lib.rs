@@ -1,10 +1,23 @@
 //! The session-lane service: sessions, their exclusive lanes, and turn dispatch to each
 //! session's host. Several replicas may run; each lane is pinned to exactly one of them (R1).
+//!
+//! Layout (calls go down the list, never up):
+//!
+//! - `api`: the request/reply APIs, one file each: `api/sessions.rs` (`ts.api.session.*`) and
+//!   `api/runs.rs` (`ts.api.runs.*`).
+//! - `supervisor`: one lane worker per active session on this replica, started and stopped
+//!   from a watch of the sessions bucket.
+//! - `lane`: the lane worker: `lane/mod.rs` pulls the session's next item and matches on its
+//!   kind; one file per kind: `lane/turn.rs`, `lane/delivery.rs`, `lane/run/` (the R5 loop).
+//! - `handoff`: the primitives the kinds share: give back or refuse an item, dispatch a turn
+//!   and wait for its outcome, collect and settle completions.
+//! - `turn_watch`: the replica's one KV watch of turn records, with per-turn waiters.
+//! - `ctx`: what all of the above share (NATS handles, topology, per-replica state).
 
 mod api;
-mod delivery;
+mod ctx;
+mod handoff;
 mod lane;
-mod run;
 mod supervisor;
 mod turn_watch;
 
@@ -12,8 +25,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::config::{Connected, StartError};
-use turnstile_shared::topology::{Buckets, TopologyConfig};
+use turnstile_shared::config::Connected;
+use turnstile_shared::topology::TopologyConfig;
+
+pub use crate::ctx::Error;
+use crate::ctx::{Ctx, Handback};
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -32,110 +48,6 @@ impl Config {
             topology: TopologyConfig::default(),
             replica: format!("lane-{}", std::process::id()),
             shutdown_grace: Duration::from_secs(10),
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Start(#[from] StartError),
-    #[error("start API service: {0}")]
-    Api(async_nats::Error),
-}
-
-/// Everything a lane worker or API handler needs, shared by reference.
-pub(crate) struct Ctx {
-    pub client: async_nats::Client,
-    pub js: async_nats::jetstream::Context,
-    pub buckets: Buckets,
-    pub topology: TopologyConfig,
-    pub replica: String,
-    pub turns: turn_watch::TurnWatch,
-    /// The process-wide shutdown, as distinct from one lane's cancellation.
-    pub shutdown: CancellationToken,
-    handback: std::sync::Mutex<Handback>,
-    /// Sessions whose last delivery failed: their next turn end re-arms a delivery.
-    left_pending: std::sync::Mutex<std::collections::HashSet<turnstile_shared::SessionId>>,
-    /// Each session's completion consumer, bound once (deliveries are on the hot path).
-    completions: std::sync::Mutex<
-        std::collections::HashMap<
-            turnstile_shared::SessionId,
-            async_nats::jetstream::consumer::PullConsumer,
-        >,
-    >,
-}
-
-/// What a stopping replica gives back once its connection is closed.
-#[derive(Default)]
-struct Handback {
-    /// Lane consumers this replica held the pin of.
-    lanes: Vec<String>,
-    /// Ack subjects of the items it held in flight.
-    items: Vec<String>,
-}
-
-impl Ctx {
-    pub async fn completion_consumer(
-        &self,
-        session: &turnstile_shared::SessionId,
-    ) -> Result<
-        async_nats::jetstream::consumer::PullConsumer,
-        turnstile_shared::topology::TopologyError,
-    > {
-        if let Some(c) = self
-            .completions
-            .lock()
-            .ok()
-            .and_then(|m| m.get(session).cloned())
-        {
-            return Ok(c);
-        }
-        let c = turnstile_shared::topology::ensure_completion_consumer(
-            &self.js,
-            &self.topology,
-            session,
-        )
-        .await?;
-        if let Ok(mut m) = self.completions.lock() {
-            m.insert(session.clone(), c.clone());
-        }
-        Ok(c)
-    }
-
-    /// Records whether the session's last delivery failed (its completions wait unarmed).
-    pub fn mark_left_pending(&self, session: &turnstile_shared::SessionId, pending: bool) {
-        if let Ok(mut s) = self.left_pending.lock() {
-            if pending {
-                s.insert(session.clone());
-            } else {
-                s.remove(session);
-            }
-        }
-    }
-
-    pub fn left_pending(&self, session: &turnstile_shared::SessionId) -> bool {
-        self.left_pending
-            .lock()
-            .map(|mut s| s.remove(session))
-            .unwrap_or(false)
-    }
-
-    pub fn forget_completion_consumer(&self, session: &turnstile_shared::SessionId) {
-        if let Ok(mut m) = self.completions.lock() {
-            m.remove(session);
-        }
-    }
-
-    pub fn hand_back_lane(&self, consumer: String) {
-        if let Ok(mut h) = self.handback.lock() {
-            h.lanes.push(consumer);
-        }
-    }
-
-    pub fn hand_back_item(&self, ack_subject: String) {
-        if let Ok(mut h) = self.handback.lock() {
-            h.items.push(ack_subject);
         }
     }
 }

@@ -12,8 +12,9 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::SessionId;
 
+use crate::ctx::{Ctx, Error};
+use crate::lane;
 use crate::turn_watch::sleep_or_cancel;
-use crate::{lane, Ctx, Error};
 
 struct Worker {
     cancel: CancellationToken,

@@ -1,153 +1,32 @@
-//! A `run` lane item (R5): while it holds the lane it drives its messages to completion. Each
-//! message is a turn; then, round after round, it waits until everything that turn started is
-//! terminal, hands the completions to the agent as one next turn (R3; the run is the session's
-//! only deliverer meanwhile, R4), and stops when a turn starts nothing new. Then the next
-//! message, then the finalizer. Bounded by `max_rounds`, `max_duration` and `idle_timeout`
-//! (R10); `completed` only if every message completed (R12). Progress lives in the run record,
-//! so a replica that takes the lane over continues where the run was (R14).
-
-use std::collections::HashSet;
-use std::time::Duration;
+//! The R5 drive loop of a run: for each message, its turn, then round after round: wait until
+//! everything that turn started is terminal, hand the completions over as the next turn, and
+//! stop when a turn started nothing new. Bounds (`max_rounds`, `max_duration`, cancel) end the
+//! run `failed` with a named reason; `completed` only when every message completed (R12).
+//! Progress is kept in the run record, so a replica that takes the lane over resumes here.
 
 use async_nats::jetstream::{self, AckKind};
 use chrono::Utc;
-use futures::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ErrorCode};
-use turnstile_shared::delivery::{self, Completion, DeliveryItem, DeliveryMarker};
-use turnstile_shared::events::{self, session_event, EventKind};
+use turnstile_shared::delivery::{self, Completion};
+use turnstile_shared::events::EventKind;
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
-use turnstile_shared::runs::{run_reason, MessageProgress, RunItem, RunRecord, RunState};
-use turnstile_shared::step_api::{ExecRef, TreeNode};
+use turnstile_shared::runs::{run_reason, MessageProgress, RunRecord, RunState};
+use turnstile_shared::step_api::ExecRef;
 use turnstile_shared::subjects;
-use turnstile_shared::{DeliveryId, ExecutionId, SessionId, TurnId};
+use turnstile_shared::{DeliveryId, ExecutionId, TurnId};
 
-use crate::delivery::{collect, disarm_and_recheck, settle, DeliveryError};
-use crate::lane::{dispatch, release, wait_terminal};
-use crate::Ctx;
+use super::events::event;
+use crate::ctx::Ctx;
+use crate::handoff::{dispatch, settle, wait_terminal, DeliveryError};
 
-/// How often a wait for children re-reads the tree even without an event (a missed event
-/// costs at most this).
-const RECHECK: Duration = Duration::from_secs(2);
-const API: Duration = Duration::from_secs(5);
-
-pub(crate) async fn run_run(
-    ctx: &Ctx,
-    session: &SessionRecord,
-    msg: jetstream::Message,
-    item: RunItem,
-    cancel: &CancellationToken,
-) {
-    let record = match ctx.buckets.runs.get::<RunRecord>(item.run.as_str()).await {
-        Ok(Some((r, _))) => r,
-        Ok(None) => {
-            let reason = format!("no run record {}", item.run);
-            return crate::lane::reject(ctx, session, &msg, &reason).await;
-        }
-        Err(e) => return retry(&msg, &item, &e.to_string()).await,
-    };
-    if record.session != session.id {
-        let reason = format!("run {} belongs to session {}", record.id, record.session);
-        return crate::lane::reject(ctx, session, &msg, &reason).await;
-    }
-    if record.state.is_terminal() {
-        let _ = msg.double_ack().await;
-        return;
-    }
-    let record = match start(ctx, record).await {
-        Ok(r) => r,
-        Err(e) => return retry(&msg, &item, &e.to_string()).await,
-    };
-    // R4: while the run holds the lane, its marker tells the broker a deliverer exists.
-    let marker = hold_deliveries(ctx, &session.id).await;
-    let mut driver = Driver {
-        ctx,
-        session,
-        msg: &msg,
-        cancel,
-        run: record,
-    };
-    match driver.drive().await {
-        Ok(Some(end)) => {
-            if let Err(e) = driver.end(end).await {
-                return retry(&msg, &item, &e.to_string()).await;
-            }
-            if let Some(m) = marker {
-                if let Err(e) = disarm_and_recheck(ctx, &session.id, &m).await {
-                    tracing::warn!(run = %item.run, error = %e, "release delivery marker");
-                }
-            }
-            let _ = msg.double_ack().await;
-        }
-        // Cancelled (replica stopping): the lane moves, the run continues elsewhere.
-        Ok(None) => release(ctx, &msg).await,
-        Err(e) => retry(&msg, &item, &e.to_string()).await,
-    }
-}
-
-async fn retry(msg: &jetstream::Message, item: &RunItem, e: &str) {
-    tracing::warn!(run = %item.run, error = %e, "run interrupted; retrying");
-    let _ = msg
-        .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
-        .await;
-}
-
-async fn start(ctx: &Ctx, record: RunRecord) -> Result<RunRecord, DriveError> {
-    if !matches!(record.state, RunState::Queued) {
-        return Ok(record);
-    }
-    let started_at = Utc::now();
-    let next = ctx
-        .buckets
-        .runs
-        .modify::<RunRecord, _>(record.id.as_str(), |cur| match cur {
-            Some(r) if matches!(r.state, RunState::Queued) => Change::Write(RunRecord {
-                state: RunState::Running { started_at },
-                ..r.clone()
-            }),
-            _ => Change::Keep,
-        })
-        .await?
-        .ok_or(DriveError::Gone)?;
-    event(
-        ctx,
-        &next,
-        EventKind::RunStarted,
-        json!({ "messages": next.messages.len() }),
-    )
-    .await;
-    Ok(next)
-}
-
-/// Creates the session's delivery marker for the run (unless a delivery is armed already);
-/// returns it as an item to clear when the run ends.
-async fn hold_deliveries(ctx: &Ctx, session: &SessionId) -> Option<DeliveryItem> {
-    let marker = DeliveryMarker {
-        delivery: DeliveryId::new(),
-        armed_at: Utc::now(),
-    };
-    match ctx
-        .buckets
-        .deliveries
-        .create(session.as_str(), &marker)
-        .await
-    {
-        Ok(Some(rev)) => Some(DeliveryItem {
-            delivery: marker.delivery,
-            marker_rev: Some(rev),
-        }),
-        Ok(None) => None,
-        Err(e) => {
-            tracing::warn!(%session, error = %e, "hold deliveries for the run");
-            None
-        }
-    }
-}
+/// How long a call to the broker's exec API may take.
+pub(super) const API: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
-enum DriveError {
+pub(super) enum DriveError {
     #[error(transparent)]
     Kv(#[from] turnstile_shared::kv::KvError),
     #[error(transparent)]
@@ -159,20 +38,20 @@ enum DriveError {
 }
 
 /// How a run ended.
-struct End {
+pub(super) struct End {
     state: RunState,
 }
 
-struct Driver<'a> {
-    ctx: &'a Ctx,
-    session: &'a SessionRecord,
-    msg: &'a jetstream::Message,
-    cancel: &'a CancellationToken,
-    run: RunRecord,
+pub(super) struct Driver<'a> {
+    pub(super) ctx: &'a Ctx,
+    pub(super) session: &'a SessionRecord,
+    pub(super) msg: &'a jetstream::Message,
+    pub(super) cancel: &'a CancellationToken,
+    pub(super) run: RunRecord,
 }
 
 impl Driver<'_> {
-    fn started_at(&self) -> chrono::DateTime<Utc> {
+    pub(super) fn started_at(&self) -> chrono::DateTime<Utc> {
         match &self.run.state {
             RunState::Running { started_at } => *started_at,
             _ => Utc::now(),
@@ -193,7 +72,7 @@ impl Driver<'_> {
     }
 
     /// `Ok(None)` when cancelled.
-    async fn drive(&mut self) -> Result<Option<End>, DriveError> {
+    pub(super) async fn drive(&mut self) -> Result<Option<End>, DriveError> {
         let texts: Vec<String> = self.run.texts().into_iter().map(str::to_string).collect();
         let first = self.run.progress.iter().take_while(|m| m.done).count();
         for (index, text) in texts.iter().enumerate().skip(first) {
@@ -334,7 +213,7 @@ impl Driver<'_> {
         }))
     }
 
-    fn over_time(&self, index: usize) -> Option<End> {
+    pub(super) fn over_time(&self, index: usize) -> Option<End> {
         let limit = self.run.limits.max_duration;
         let elapsed = (Utc::now() - self.started_at())
             .to_std()
@@ -466,104 +345,6 @@ impl Driver<'_> {
         .await)
     }
 
-    /// Waits until the turn's whole subtree is terminal (R5). Step events are progress (R10).
-    async fn wait_children(&self, index: usize, turn: &TurnId) -> Result<Wait, DriveError> {
-        let mut events = match self
-            .ctx
-            .client
-            .subscribe(subjects::session_step_events(&self.session.id))
-            .await
-        {
-            Ok(s) => Some(s),
-            Err(e) => {
-                tracing::warn!(error = %e, "step events; re-reading the tree on a timer");
-                None
-            }
-        };
-        let mut cancel_notice = self
-            .ctx
-            .client
-            .subscribe(subjects::run_cancel(&self.run.id))
-            .await
-            .ok();
-        // Step heartbeats are progress too (R10).
-        let mut beats = self
-            .ctx
-            .client
-            .subscribe(subjects::progress(&self.session.id))
-            .await
-            .ok();
-        let mut last_progress = tokio::time::Instant::now();
-        let id = ExecutionId::from(turn);
-        loop {
-            let tree: Option<TreeNode> = api::call(
-                &self.ctx.client,
-                subjects::api::EXEC_TREE,
-                &ExecRef { id: id.clone() },
-                API,
-            )
-            .await
-            .ok();
-            if let Some(t) = &tree {
-                if t.settled {
-                    let mut ids = Vec::new();
-                    collect_ids(t, &mut ids);
-                    return Ok(Wait::Settled(ids));
-                }
-            }
-            let idle = self.run.limits.idle_timeout;
-            let deadline = last_progress + idle;
-            if let Some(end) = self.over_time(index) {
-                return Ok(Wait::OverTime(end));
-            }
-            tokio::select! {
-                biased;
-                _ = self.cancel.cancelled() => return Ok(Wait::Cancelled),
-                Some(_) = async { match cancel_notice.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
-                    return Ok(Wait::RunCancelled);
-                }
-                Some(_) = async { match events.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
-                    last_progress = tokio::time::Instant::now();
-                }
-                Some(_) = async { match beats.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
-                    last_progress = tokio::time::Instant::now();
-                }
-                _ = tokio::time::sleep(RECHECK) => {}
-                _ = tokio::time::sleep_until(deadline) => return Ok(Wait::Idle),
-            }
-            // Keep the run item alive while it waits.
-            let _ = self.msg.ack_with(AckKind::Progress).await;
-        }
-    }
-
-    /// Takes pending completions for the session, waiting (bounded) until every execution the
-    /// turn's subtree finished has its completion here: routing follows the terminal record.
-    async fn take_completions(
-        &self,
-        expected: &[ExecutionId],
-    ) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DriveError> {
-        let mut want: HashSet<ExecutionId> = expected.iter().cloned().collect();
-        let mut carried = Vec::new();
-        let mut held = Vec::new();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        let mut pause = Duration::from_millis(20);
-        loop {
-            let (c, h) = collect(self.ctx, self.session).await?;
-            for (comp, _) in &c {
-                want.remove(&comp.execution);
-            }
-            carried.extend(c);
-            held.extend(h);
-            // Executions whose completion goes elsewhere (detached work watched by others)
-            // never arrive here; the wait is bounded.
-            if want.is_empty() || tokio::time::Instant::now() >= deadline {
-                return Ok((carried, held));
-            }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(500));
-        }
-    }
-
     async fn event_round(&self, index: usize, record: &TurnRecord) {
         let data = json!({
             "message_index": index,
@@ -574,7 +355,7 @@ impl Driver<'_> {
     }
 
     /// Records the end (R12) and emits `run.completed` or `run.failed`.
-    async fn end(&mut self, end: End) -> Result<(), DriveError> {
+    pub(super) async fn end(&mut self, end: End) -> Result<(), DriveError> {
         let state = end.state;
         let next = self
             .ctx
@@ -631,7 +412,7 @@ enum Step {
     Cancelled,
 }
 
-enum Wait {
+pub(super) enum Wait {
     Settled(Vec<ExecutionId>),
     Idle,
     OverTime(End),
@@ -641,38 +422,8 @@ enum Wait {
     RunCancelled,
 }
 
-async fn nak_all(held: &[jetstream::Message]) {
+pub(super) async fn nak_all(held: &[jetstream::Message]) {
     for h in held {
         let _ = h.ack_with(AckKind::Nak(None)).await;
-    }
-}
-
-/// Every step under the node (not the node itself).
-fn collect_ids(node: &TreeNode, out: &mut Vec<ExecutionId>) {
-    for n in &node.nodes {
-        out.push(n.record.id.clone());
-        collect_ids(n, out);
-    }
-}
-
-async fn event(ctx: &Ctx, run: &RunRecord, k: EventKind, data: serde_json::Value) {
-    let mut data = data;
-    data["run"] = json!(run.id);
-    let ev = session_event(k, &run.session, None, &data).map(|e| {
-        let id = match k {
-            EventKind::RunRound => {
-                format!("{}:{k}:{}", run.id, data["turn"].as_str().unwrap_or(""))
-            }
-            _ => format!("{}:{k}", run.id),
-        };
-        e.with_id(id)
-    });
-    match ev {
-        Ok(ev) => {
-            if let Err(e) = events::publish(&ctx.js, &ev).await {
-                tracing::warn!(run = %run.id, error = %e, "run event");
-            }
-        }
-        Err(e) => tracing::warn!(run = %run.id, error = %e, "build run event"),
     }
 }

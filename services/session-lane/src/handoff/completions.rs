@@ -1,25 +1,22 @@
-//! A `delivery` lane item (R3): once it holds the lane it takes every pending completion of
-//! the session (up to [`DELIVERY_CAP`]), checks each is addressed to a session that owns or
-//! watches it (R8), records what it carries in its turn record, types them as ONE message,
-//! and acks them only after that turn completed. A failed turn leaves them pending.
+//! Completions on their way to the agent (R3, R8), shared by the delivery and run item
+//! kinds: collect the session's pending completions (up to the cap) and check each is
+//! addressed to a session that owns or watches it; after the turn that carried them, ack them
+//! if it completed or leave them pending if it failed; clear and re-arm the delivery marker.
 
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
-use chrono::Utc;
 use futures::StreamExt;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 use turnstile_shared::delivery::{self, Completion, DeliveryItem, COMPLETION_KIND, DELIVERY_CAP};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::ExecutionRecord;
 use turnstile_shared::kv::Bucket;
-use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::records::{Carried, SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::{deadletter, subjects, topology, SessionId};
 
-use crate::lane::{dispatch, finish, release, wait_terminal};
-use crate::Ctx;
+use crate::ctx::Ctx;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum DeliveryError {
@@ -34,111 +31,6 @@ pub(crate) enum DeliveryError {
     },
     #[error(transparent)]
     Nats(#[from] async_nats::Error),
-}
-
-pub(crate) async fn run_delivery(
-    ctx: &Ctx,
-    session: &SessionRecord,
-    msg: jetstream::Message,
-    item: DeliveryItem,
-    cancel: &CancellationToken,
-) {
-    let turn_id = item.delivery.turn();
-    let waiter = ctx.turns.wait(&turn_id);
-    let retry = |e: DeliveryError| retry_later(&msg, session, &item, e);
-    // A redelivered item finds the turn its earlier attempt recorded and finishes that one.
-    // A first delivery cannot have one: only this handler creates it (hot path: no read).
-    let first_delivery = msg.info().map(|i| i.delivered <= 1).unwrap_or(false);
-    let existing = if first_delivery {
-        None
-    } else {
-        match ctx.buckets.turns.get::<TurnRecord>(turn_id.as_str()).await {
-            Ok(r) => r.map(|(r, _)| r),
-            Err(e) => return retry(e.into()).await,
-        }
-    };
-    let (record, held) = match existing {
-        Some(record) => (record, Vec::new()),
-        None => {
-            let (carried, held) = match collect(ctx, session).await {
-                Ok(c) => c,
-                Err(e) => return retry(e).await,
-            };
-            if carried.is_empty() {
-                // Nothing (left) to hand over: an earlier delivery took it all.
-                if let Err(e) = disarm_and_recheck(ctx, &session.id, &item).await {
-                    return retry(e).await;
-                }
-                let _ = msg.double_ack().await;
-                return;
-            }
-            let record = TurnRecord {
-                id: turn_id.clone(),
-                session: session.id.clone(),
-                text: delivery::render_batch(
-                    &carried.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>(),
-                ),
-                queued_at: Utc::now(),
-                delivery: Some(Carried {
-                    delivery: item.delivery.clone(),
-                    completions: carried
-                        .iter()
-                        .map(|(c, seq)| CarriedCompletion {
-                            execution: c.execution.clone(),
-                            seq: *seq,
-                        })
-                        .collect(),
-                }),
-                parent: None,
-                state: TurnState::Queued,
-            };
-            // What it carries is durable before anything is typed (R14).
-            if let Err(e) = ctx.buckets.turns.create(turn_id.as_str(), &record).await {
-                for h in &held {
-                    let _ = h.ack_with(AckKind::Nak(None)).await;
-                }
-                return retry(e.into()).await;
-            }
-            (record, held)
-        }
-    };
-    let record = if record.state.is_terminal() {
-        record
-    } else {
-        if let Err(e) = dispatch(ctx, session, &msg, &turn_id, &record.text).await {
-            for h in &held {
-                let _ = h.ack_with(AckKind::Nak(None)).await;
-            }
-            return retry(DeliveryError::Nats(e)).await;
-        }
-        // Off the hand-off path, while the turn runs.
-        if let Err(e) = disarm_and_recheck(ctx, &session.id, &item).await {
-            tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "clear delivery marker; a stale marker is re-armed by the next completion");
-        }
-        match wait_terminal(ctx, &msg, &session.host, &turn_id, waiter, cancel, &held).await {
-            Some(r) => r,
-            None => {
-                for h in &held {
-                    let _ = h.ack_with(AckKind::Nak(None)).await;
-                }
-                return release(ctx, &msg).await;
-            }
-        }
-    };
-    settle(ctx, session, &record, &held).await;
-    finish(ctx, session, &msg, &record).await;
-}
-
-async fn retry_later(
-    msg: &jetstream::Message,
-    session: &SessionRecord,
-    item: &DeliveryItem,
-    e: DeliveryError,
-) {
-    tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "delivery; retrying");
-    let _ = msg
-        .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
-        .await;
 }
 
 /// Clears the session's marker, then arms the next delivery if completions are pending that

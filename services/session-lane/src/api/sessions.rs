@@ -1,15 +1,14 @@
-//! The `ts.api.session.*` request/reply service (discoverable with `nats micro ls`). Any
-//! replica answers; every change is a KV compare-and-set or an acknowledged publish (R14), and
-//! a bad request gets a clear error while the service keeps serving (R15).
+//! `ts.api.session.*`: create, send, stop, list, show, and the host list. Any replica answers;
+//! every change is a KV compare-and-set or an acknowledged publish (R14). `busy` and `queued`
+//! are read off the session's lane consumer, never stored (R1).
 
 use std::sync::Arc;
 
-use async_nats::service::ServiceExt;
 use chrono::Utc;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{
     ApiError, CreateSession, ErrorCode, ListSessions, SendTurn, SessionRef, SessionView,
+    MAX_MESSAGE_BYTES,
 };
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
@@ -19,74 +18,16 @@ use turnstile_shared::records::{
     reason, transport_kind, AgentKind, HostRecord, SessionRecord, SessionState, StartCommand,
     StopCommand, TurnRecord, TurnState,
 };
-use turnstile_shared::runs::{RunItem, RunRecord, RunRef, RunState, StartRun};
 use turnstile_shared::{subjects, topology, HostName, SessionId, TurnId};
 
-use crate::{Ctx, Error};
-
-const MAX_TEXT: usize = 256 * 1024;
-
-pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
-    let service = ctx
-        .client
-        .service_builder()
-        .description("Turnstile sessions: create, send, stop, list, show")
-        .start(subjects::api::SESSION_SERVICE, env!("CARGO_PKG_VERSION"))
-        .await
-        .map_err(Error::Api)?;
-    let group = service.group(subjects::api::SESSION_GROUP);
-    let mut tasks = Vec::new();
-    macro_rules! endpoint {
-        ($verb:literal, $handler:path) => {{
-            let endpoint = group.endpoint($verb).await.map_err(Error::Api)?;
-            tasks.push(tokio::spawn(turnstile_shared::service::serve_endpoint(
-                ctx.clone(),
-                endpoint,
-                shutdown.clone(),
-                $handler,
-            )));
-        }};
-    }
-    endpoint!("create", create);
-    endpoint!("send", send);
-    endpoint!("stop", stop);
-    endpoint!("list", list);
-    endpoint!("show", show);
-    endpoint!("hosts", hosts);
-    let runs = service.group(subjects::api::RUNS_GROUP);
-    for (verb, which) in [
-        ("start", 0),
-        ("show", 1),
-        ("list", 2),
-        ("cancel", 3),
-        ("retry", 4),
-    ] {
-        let endpoint = runs.endpoint(verb).await.map_err(Error::Api)?;
-        let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
-        use turnstile_shared::service::serve_endpoint as serve;
-        tasks.push(match which {
-            0 => tokio::spawn(serve(ctx, endpoint, shutdown, start_run)),
-            1 => tokio::spawn(serve(ctx, endpoint, shutdown, show_run)),
-            3 => tokio::spawn(serve(ctx, endpoint, shutdown, cancel_run)),
-            4 => tokio::spawn(serve(ctx, endpoint, shutdown, retry_run)),
-            _ => tokio::spawn(serve(ctx, endpoint, shutdown, list_runs)),
-        });
-    }
-    futures::future::join_all(tasks).await;
-    let _ = service.stop().await;
-    Ok(())
-}
-
-fn internal(e: impl std::fmt::Display) -> ApiError {
-    ApiError::internal(e.to_string())
-}
+use crate::ctx::Ctx;
 
 async fn live_hosts(ctx: &Ctx) -> Result<Vec<HostRecord>, ApiError> {
     ctx.buckets
         .hosts
         .values::<HostRecord>()
         .await
-        .map_err(internal)
+        .map_err(ApiError::internal)
 }
 
 /// The live host with the fewest active sessions, unless the caller pinned one.
@@ -106,7 +47,7 @@ async fn place(ctx: &Ctx, pinned: Option<HostName>) -> Result<HostName, ApiError
         .sessions
         .values::<SessionRecord>()
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     hosts
         .into_iter()
         .map(|h| {
@@ -126,7 +67,7 @@ async fn place(ctx: &Ctx, pinned: Option<HostName>) -> Result<HostName, ApiError
         })
 }
 
-async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiError> {
+pub(super) async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiError> {
     let name = req.name.trim();
     if name.is_empty() || name.len() > 128 {
         return Err(ApiError::bad_request(
@@ -139,7 +80,7 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
             .sessions
             .get::<SessionRecord>(id.as_str())
             .await
-            .map_err(internal)?
+            .map_err(ApiError::internal)?
         {
             if existing.name == name {
                 return Ok(existing.redacted());
@@ -180,36 +121,38 @@ async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionRecord, ApiE
     // The consumer first: a replica that sees the record starts pulling from it at once.
     topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &record.id)
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     ctx.buckets
         .sessions
         .create(record.id.as_str(), &record)
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     let start = Envelope::new(
         transport_kind::START,
         &StartCommand {
             session: record.id.clone(),
         },
     )
-    .map_err(internal)?
+    .map_err(ApiError::internal)?
     .with_session(&record.id)
     .with_id(format!("{}:start", record.id));
     events::publish_durable(&ctx.js, subjects::transport(&host, "start"), &start, None)
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     let ev = session_event(
         EventKind::SessionCreated,
         &record.id,
         None,
         &json!({ "name": record.name, "agent": record.agent, "host": host, "cwd": record.cwd }),
     )
-    .map_err(internal)?;
-    events::publish(&ctx.js, &ev).await.map_err(internal)?;
+    .map_err(ApiError::internal)?;
+    events::publish(&ctx.js, &ev)
+        .await
+        .map_err(ApiError::internal)?;
     Ok(record.redacted())
 }
 
-async fn active_session(ctx: &Ctx, id: &SessionId) -> Result<SessionRecord, ApiError> {
+pub(super) async fn active_session(ctx: &Ctx, id: &SessionId) -> Result<SessionRecord, ApiError> {
     match ctx.buckets.sessions.get::<SessionRecord>(id.as_str()).await {
         Ok(Some((r, _))) if r.is_active() => Ok(r),
         Ok(Some(_)) => Err(ApiError::new(
@@ -217,17 +160,17 @@ async fn active_session(ctx: &Ctx, id: &SessionId) -> Result<SessionRecord, ApiE
             format!("session {id} is stopped"),
         )),
         Ok(None) => Err(ApiError::not_found(format!("no session {id}"))),
-        Err(e) => Err(internal(e)),
+        Err(e) => Err(ApiError::internal(e)),
     }
 }
 
-async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
+pub(super) async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
     if req.text.trim().is_empty() {
         return Err(ApiError::bad_request("message text is empty"));
     }
-    if req.text.len() > MAX_TEXT {
+    if req.text.len() > MAX_MESSAGE_BYTES {
         return Err(ApiError::bad_request(format!(
-            "message text is {} bytes; the limit is {MAX_TEXT}",
+            "message text is {} bytes; the limit is {MAX_MESSAGE_BYTES}",
             req.text.len()
         )));
     }
@@ -247,14 +190,14 @@ async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
         .turns
         .create(turn.as_str(), &record)
         .await
-        .map_err(internal)?
+        .map_err(ApiError::internal)?
     {
         Some(_) => record,
         // A retry of the same turn id: idempotent, as long as it is the same session's.
         None => match ctx.buckets.turns.get::<TurnRecord>(turn.as_str()).await {
             Ok(Some((r, _))) if r.session == session.id => r,
             Ok(_) => return Err(ApiError::bad_request(format!("turn id {turn} is taken"))),
-            Err(e) => return Err(internal(e)),
+            Err(e) => return Err(ApiError::internal(e)),
         },
     };
     // `turn.queued` before the item, so no reader sees a turn start before it was queued.
@@ -264,17 +207,19 @@ async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
         Some(&turn),
         &json!({ "text": req.text }),
     )
-    .map_err(internal)?;
-    events::publish(&ctx.js, &ev).await.map_err(internal)?;
+    .map_err(ApiError::internal)?;
+    events::publish(&ctx.js, &ev)
+        .await
+        .map_err(ApiError::internal)?;
     let item = LaneItem::Turn(TurnItem {
         turn: turn.clone(),
         text: req.text,
     })
     .to_envelope(&session.id)
-    .map_err(internal)?;
+    .map_err(ApiError::internal)?;
     events::publish_durable(&ctx.js, subjects::lane(&session.id), &item, None)
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     // A stop that ran between the check above and this publish has already drained the lane:
     // drain again, so this turn fails rather than waiting forever on a stopped session (R13).
     if let Err(e) = active_session(&ctx, &session.id).await {
@@ -284,7 +229,7 @@ async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, ApiError> {
     Ok(record)
 }
 
-async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord, ApiError> {
+pub(super) async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord, ApiError> {
     let stopped_at = Utc::now();
     let record = ctx
         .buckets
@@ -297,7 +242,7 @@ async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord, ApiError>
             _ => Change::Keep,
         })
         .await
-        .map_err(internal)?
+        .map_err(ApiError::internal)?
         .ok_or_else(|| ApiError::not_found(format!("no session {}", req.session)))?;
     let stop = Envelope::new(
         transport_kind::STOP,
@@ -305,7 +250,7 @@ async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord, ApiError>
             session: record.id.clone(),
         },
     )
-    .map_err(internal)?
+    .map_err(ApiError::internal)?
     .with_session(&record.id)
     .with_id(format!("{}:stop", record.id));
     events::publish_durable(
@@ -315,12 +260,14 @@ async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord, ApiError>
         None,
     )
     .await
-    .map_err(internal)?;
+    .map_err(ApiError::internal)?;
     drain_lane(&ctx, &record.id).await?;
     ctx.forget_completion_consumer(&record.id);
-    let ev =
-        session_event(EventKind::SessionStopped, &record.id, None, &json!({})).map_err(internal)?;
-    events::publish(&ctx.js, &ev).await.map_err(internal)?;
+    let ev = session_event(EventKind::SessionStopped, &record.id, None, &json!({}))
+        .map_err(ApiError::internal)?;
+    events::publish(&ctx.js, &ev)
+        .await
+        .map_err(ApiError::internal)?;
     Ok(record.redacted())
 }
 
@@ -331,7 +278,7 @@ async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
         .js
         .get_stream_no_info(subjects::LANE_STREAM)
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     let subject = subjects::lane(session);
     let mut seq = 0;
     loop {
@@ -343,7 +290,7 @@ async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
             Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
                 break
             }
-            Err(e) => return Err(internal(e)),
+            Err(e) => return Err(ApiError::internal(e)),
         };
         seq = msg.sequence;
         let Ok(LaneItem::Turn(item)) = LaneItem::decode(&msg.payload, session) else {
@@ -370,13 +317,19 @@ async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
                 }),
             })
             .await
-            .map_err(internal)?;
+            .map_err(ApiError::internal)?;
         if let Some(rec) = rec {
-            let ev = crate::lane::outcome_event(&rec).map_err(internal)?;
-            events::publish(&ctx.js, &ev).await.map_err(internal)?;
+            let ev = crate::handoff::outcome_event(&rec).map_err(ApiError::internal)?;
+            events::publish(&ctx.js, &ev)
+                .await
+                .map_err(ApiError::internal)?;
         }
     }
-    stream.purge().filter(subject).await.map_err(internal)?;
+    stream
+        .purge()
+        .filter(subject)
+        .await
+        .map_err(ApiError::internal)?;
     match stream
         .delete_consumer(&subjects::lane_consumer(session))
         .await
@@ -398,13 +351,13 @@ fn stopped_state(ended_at: chrono::DateTime<Utc>) -> TurnState {
     }
 }
 
-async fn list(ctx: Arc<Ctx>, _req: ListSessions) -> Result<Vec<SessionView>, ApiError> {
+pub(super) async fn list(ctx: Arc<Ctx>, _req: ListSessions) -> Result<Vec<SessionView>, ApiError> {
     let mut sessions = ctx
         .buckets
         .sessions
         .values::<SessionRecord>()
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     sessions.sort_by_key(|s| s.created_at);
     let hosts = live_hosts(&ctx).await?;
     let mut out = Vec::with_capacity(sessions.len());
@@ -414,7 +367,7 @@ async fn list(ctx: Arc<Ctx>, _req: ListSessions) -> Result<Vec<SessionView>, Api
     Ok(out)
 }
 
-async fn show(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionView, ApiError> {
+pub(super) async fn show(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionView, ApiError> {
     let record = match ctx
         .buckets
         .sessions
@@ -423,7 +376,7 @@ async fn show(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionView, ApiError> {
     {
         Ok(Some((r, _))) => r,
         Ok(None) => return Err(ApiError::not_found(format!("no session {}", req.session))),
-        Err(e) => return Err(internal(e)),
+        Err(e) => return Err(ApiError::internal(e)),
     };
     let hosts = live_hosts(&ctx).await?;
     view(&ctx, record, &hosts).await
@@ -448,7 +401,7 @@ async fn view(
             .js
             .get_stream_no_info(subjects::LANE_STREAM)
             .await
-            .map_err(internal)?;
+            .map_err(ApiError::internal)?;
         if let Ok(info) = stream
             .consumer_info(subjects::lane_consumer(&record.id))
             .await
@@ -491,240 +444,8 @@ async fn in_flight_turn(
         .map(|(r, _)| r)
 }
 
-/// Queues a run on the session's lane: its record first (queued), then the lane item (R14).
-async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord, ApiError> {
-    if req.messages.is_empty() {
-        return Err(ApiError::bad_request("a run needs at least one message"));
-    }
-    for m in req.messages.iter().chain(req.finalizer.iter()) {
-        if m.trim().is_empty() || m.len() > MAX_TEXT {
-            return Err(ApiError::bad_request(format!(
-                "every message must be 1-{MAX_TEXT} bytes and not blank"
-            )));
-        }
-    }
-    if req.limits.max_rounds == 0 {
-        return Err(ApiError::bad_request("max_rounds must be at least 1"));
-    }
-    let session = active_session(&ctx, &req.session).await?;
-    let id = req.id.clone().unwrap_or_default();
-    let record = RunRecord {
-        id: id.clone(),
-        session: session.id.clone(),
-        schedule: req.schedule.clone(),
-        created_at: Utc::now(),
-        messages: req.messages.clone(),
-        finalizer: req.finalizer.clone(),
-        limits: req.limits,
-        progress: Vec::new(),
-        cancel: None,
-        attempt: 0,
-        state: RunState::Queued,
-    };
-    let record = match ctx
-        .buckets
-        .runs
-        .create(id.as_str(), &record)
-        .await
-        .map_err(internal)?
-    {
-        Some(_) => record,
-        None => {
-            let existing = ctx
-                .buckets
-                .runs
-                .get::<RunRecord>(id.as_str())
-                .await
-                .map_err(internal)?
-                .map(|(r, _)| r)
-                .ok_or_else(|| ApiError::internal("run vanished"))?;
-            if existing.session != session.id {
-                return Err(ApiError::bad_request(format!(
-                    "run {id} belongs to another session"
-                )));
-            }
-            existing
-        }
-    };
-    let item = LaneItem::Run(RunItem {
-        run: id.clone(),
-        attempt: 0,
-    });
-    let env = item.to_envelope(&session.id).map_err(internal)?;
-    events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
-        .await
-        .map_err(internal)?;
-    let ev = session_event(
-        EventKind::RunQueued,
-        &session.id,
-        None,
-        &json!({ "run": id, "schedule": record.schedule }),
-    )
-    .map_err(internal)?
-    .with_id(format!("{id}:run.queued"));
-    events::publish(&ctx.js, &ev).await.map_err(internal)?;
-    Ok(record)
-}
-
-async fn show_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
-    ctx.buckets
-        .runs
-        .get::<RunRecord>(req.run.as_str())
-        .await
-        .map_err(internal)?
-        .map(|(r, _)| r)
-        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))
-}
-
-/// Runs, newest first, optionally of one schedule (a scan of `ts_runs`; at most 200).
-async fn list_runs(
-    ctx: Arc<Ctx>,
-    req: turnstile_shared::schedules::ListRuns,
-) -> Result<Vec<RunRecord>, ApiError> {
-    let mut runs: Vec<RunRecord> = ctx
-        .buckets
-        .runs
-        .values::<RunRecord>()
-        .await
-        .map_err(internal)?
-        .into_iter()
-        .filter(|r| req.schedule.is_none() || r.schedule == req.schedule)
-        .collect();
-    runs.sort_by_key(|r| std::cmp::Reverse(r.created_at));
-    runs.truncate(200);
-    Ok(runs)
-}
-
-/// Cancels a run: a queued one ends `failed: cancelled` at once; a running one stops at its
-/// next boundary (its turn in flight is not interrupted) and cancels the work it owns.
-async fn cancel_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
-    use turnstile_shared::runs::{run_reason, CancelRequest};
-    let now = Utc::now();
-    let rec = ctx
-        .buckets
-        .runs
-        .modify::<RunRecord, _>(req.run.as_str(), |cur| match cur {
-            Some(r) if r.state.is_terminal() || r.cancel.is_some() => Change::Keep,
-            Some(r) if matches!(r.state, RunState::Queued) => Change::Write(RunRecord {
-                cancel: Some(CancelRequest {
-                    at: now,
-                    by: "api".into(),
-                }),
-                state: RunState::Failed {
-                    started_at: None,
-                    ended_at: now,
-                    reason: run_reason::CANCELLED.to_string(),
-                    detail: "cancelled before it started".to_string(),
-                    message_index: 0,
-                    execution: None,
-                },
-                ..r.clone()
-            }),
-            Some(r) => Change::Write(RunRecord {
-                cancel: Some(CancelRequest {
-                    at: now,
-                    by: "api".into(),
-                }),
-                ..r.clone()
-            }),
-            None => Change::Keep,
-        })
-        .await
-        .map_err(internal)?
-        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
-    if let Err(e) = ctx
-        .client
-        .publish(subjects::run_cancel(&req.run), "cancel".into())
-        .await
-    {
-        tracing::debug!(run = %req.run, error = %e, "cancel notice");
-    }
-    Ok(rec)
-}
-
-/// Retries a failed run (R9): it continues where it failed. The failed turn is dropped from its
-/// progress (a hand-over is redone with whatever completions are pending now; a failed
-/// message turn is typed again), finished children are never re-run, and its turns get fresh
-/// ids. The run's record keeps its history; `attempt` counts the retries.
-async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
-    let current = ctx
-        .buckets
-        .runs
-        .get::<RunRecord>(req.run.as_str())
-        .await
-        .map_err(internal)?
-        .map(|(r, _)| r)
-        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
-    let RunState::Failed { message_index, .. } = current.state else {
-        return Err(ApiError::new(
-            ErrorCode::NotFailed,
-            format!(
-                "run {} is {}; only a failed run is retried",
-                req.run,
-                current.state.name()
-            ),
-        ));
-    };
-    let session = active_session(&ctx, &current.session).await?;
-    // The failed turn, if the message got that far.
-    let failed_turn = current
-        .progress
-        .get(message_index)
-        .and_then(|m| m.turns.last())
-        .cloned();
-    let drop_last = match &failed_turn {
-        Some(t) => ctx
-            .buckets
-            .turns
-            .get::<TurnRecord>(t.as_str())
-            .await
-            .map_err(internal)?
-            .is_some_and(|(r, _)| matches!(r.state, TurnState::Failed { .. })),
-        None => false,
-    };
-    let next = ctx
-        .buckets
-        .runs
-        .modify::<RunRecord, _>(req.run.as_str(), |cur| match cur {
-            Some(r) if matches!(r.state, RunState::Failed { .. }) => {
-                let mut n = r.clone();
-                n.attempt += 1;
-                n.cancel = None;
-                n.state = RunState::Queued;
-                if drop_last {
-                    if let Some(m) = n.progress.get_mut(message_index) {
-                        m.turns.pop();
-                    }
-                }
-                Change::Write(n)
-            }
-            _ => Change::Keep,
-        })
-        .await
-        .map_err(internal)?
-        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
-    let item = LaneItem::Run(RunItem {
-        run: next.id.clone(),
-        attempt: next.attempt,
-    });
-    let env = item.to_envelope(&session.id).map_err(internal)?;
-    events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
-        .await
-        .map_err(internal)?;
-    let ev = session_event(
-        EventKind::RunRetried,
-        &session.id,
-        None,
-        &json!({ "run": next.id, "attempt": next.attempt, "message_index": message_index }),
-    )
-    .map_err(internal)?
-    .with_id(format!("{}:run.retried:{}", next.id, next.attempt));
-    events::publish(&ctx.js, &ev).await.map_err(internal)?;
-    Ok(next)
-}
-
 /// Live hosts with their active sessions (`turnstile host list`).
-async fn hosts(
+pub(super) async fn hosts(
     ctx: Arc<Ctx>,
     _req: turnstile_shared::api::ListHosts,
 ) -> Result<Vec<turnstile_shared::api::HostView>, ApiError> {
@@ -735,7 +456,7 @@ async fn hosts(
         .sessions
         .values::<SessionRecord>()
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     Ok(live
         .into_iter()
         .map(|h| turnstile_shared::api::HostView {

@@ -1,0 +1,254 @@
+//! `ts.api.runs.*`: start, show, list, cancel and retry runs. A run's record is written
+//! before its lane item (R14); cancel and retry act on the record, and the run's own loop on
+//! the lane carries them out at its next boundary.
+
+use std::sync::Arc;
+
+use chrono::Utc;
+use serde_json::json;
+use turnstile_shared::api::{ApiError, ErrorCode, MAX_MESSAGE_BYTES};
+use turnstile_shared::events::{self, session_event, EventKind};
+use turnstile_shared::kv::Change;
+use turnstile_shared::lane::LaneItem;
+use turnstile_shared::records::{TurnRecord, TurnState};
+use turnstile_shared::runs::{RunItem, RunRecord, RunRef, RunState, StartRun};
+use turnstile_shared::subjects;
+
+use super::sessions::active_session;
+use crate::ctx::Ctx;
+
+/// Queues a run on the session's lane: its record first (queued), then the lane item (R14).
+pub(super) async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord, ApiError> {
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_request("a run needs at least one message"));
+    }
+    for m in req.messages.iter().chain(req.finalizer.iter()) {
+        if m.trim().is_empty() || m.len() > MAX_MESSAGE_BYTES {
+            return Err(ApiError::bad_request(format!(
+                "every message must be 1-{MAX_MESSAGE_BYTES} bytes and not blank"
+            )));
+        }
+    }
+    if req.limits.max_rounds == 0 {
+        return Err(ApiError::bad_request("max_rounds must be at least 1"));
+    }
+    let session = active_session(&ctx, &req.session).await?;
+    let id = req.id.clone().unwrap_or_default();
+    let record = RunRecord {
+        id: id.clone(),
+        session: session.id.clone(),
+        schedule: req.schedule.clone(),
+        created_at: Utc::now(),
+        messages: req.messages.clone(),
+        finalizer: req.finalizer.clone(),
+        limits: req.limits,
+        progress: Vec::new(),
+        cancel: None,
+        attempt: 0,
+        state: RunState::Queued,
+    };
+    let record = match ctx
+        .buckets
+        .runs
+        .create(id.as_str(), &record)
+        .await
+        .map_err(ApiError::internal)?
+    {
+        Some(_) => record,
+        None => {
+            let existing = ctx
+                .buckets
+                .runs
+                .get::<RunRecord>(id.as_str())
+                .await
+                .map_err(ApiError::internal)?
+                .map(|(r, _)| r)
+                .ok_or_else(|| ApiError::internal("run vanished"))?;
+            if existing.session != session.id {
+                return Err(ApiError::bad_request(format!(
+                    "run {id} belongs to another session"
+                )));
+            }
+            existing
+        }
+    };
+    let item = LaneItem::Run(RunItem {
+        run: id.clone(),
+        attempt: 0,
+    });
+    let env = item.to_envelope(&session.id).map_err(ApiError::internal)?;
+    events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
+        .await
+        .map_err(ApiError::internal)?;
+    let ev = session_event(
+        EventKind::RunQueued,
+        &session.id,
+        None,
+        &json!({ "run": id, "schedule": record.schedule }),
+    )
+    .map_err(ApiError::internal)?
+    .with_id(format!("{id}:run.queued"));
+    events::publish(&ctx.js, &ev)
+        .await
+        .map_err(ApiError::internal)?;
+    Ok(record)
+}
+
+pub(super) async fn show_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
+    ctx.buckets
+        .runs
+        .get::<RunRecord>(req.run.as_str())
+        .await
+        .map_err(ApiError::internal)?
+        .map(|(r, _)| r)
+        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))
+}
+
+/// Runs, newest first, optionally of one schedule (a scan of `ts_runs`; at most 200).
+pub(super) async fn list_runs(
+    ctx: Arc<Ctx>,
+    req: turnstile_shared::schedules::ListRuns,
+) -> Result<Vec<RunRecord>, ApiError> {
+    let mut runs: Vec<RunRecord> = ctx
+        .buckets
+        .runs
+        .values::<RunRecord>()
+        .await
+        .map_err(ApiError::internal)?
+        .into_iter()
+        .filter(|r| req.schedule.is_none() || r.schedule == req.schedule)
+        .collect();
+    runs.sort_by_key(|r| std::cmp::Reverse(r.created_at));
+    runs.truncate(200);
+    Ok(runs)
+}
+
+/// Cancels a run: a queued one ends `failed: cancelled` at once; a running one stops at its
+/// next boundary (its turn in flight is not interrupted) and cancels the work it owns.
+pub(super) async fn cancel_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
+    use turnstile_shared::runs::{run_reason, CancelRequest};
+    let now = Utc::now();
+    let rec = ctx
+        .buckets
+        .runs
+        .modify::<RunRecord, _>(req.run.as_str(), |cur| match cur {
+            Some(r) if r.state.is_terminal() || r.cancel.is_some() => Change::Keep,
+            Some(r) if matches!(r.state, RunState::Queued) => Change::Write(RunRecord {
+                cancel: Some(CancelRequest {
+                    at: now,
+                    by: "api".into(),
+                }),
+                state: RunState::Failed {
+                    started_at: None,
+                    ended_at: now,
+                    reason: run_reason::CANCELLED.to_string(),
+                    detail: "cancelled before it started".to_string(),
+                    message_index: 0,
+                    execution: None,
+                },
+                ..r.clone()
+            }),
+            Some(r) => Change::Write(RunRecord {
+                cancel: Some(CancelRequest {
+                    at: now,
+                    by: "api".into(),
+                }),
+                ..r.clone()
+            }),
+            None => Change::Keep,
+        })
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
+    if let Err(e) = ctx
+        .client
+        .publish(subjects::run_cancel(&req.run), "cancel".into())
+        .await
+    {
+        tracing::debug!(run = %req.run, error = %e, "cancel notice");
+    }
+    Ok(rec)
+}
+
+/// Retries a failed run (R9): it continues where it failed. The failed turn is dropped from its
+/// progress (a hand-over is redone with whatever completions are pending now; a failed
+/// message turn is typed again), finished children are never re-run, and its turns get fresh
+/// ids. The run's record keeps its history; `attempt` counts the retries.
+pub(super) async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
+    let current = ctx
+        .buckets
+        .runs
+        .get::<RunRecord>(req.run.as_str())
+        .await
+        .map_err(ApiError::internal)?
+        .map(|(r, _)| r)
+        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
+    let RunState::Failed { message_index, .. } = current.state else {
+        return Err(ApiError::new(
+            ErrorCode::NotFailed,
+            format!(
+                "run {} is {}; only a failed run is retried",
+                req.run,
+                current.state.name()
+            ),
+        ));
+    };
+    let session = active_session(&ctx, &current.session).await?;
+    // The failed turn, if the message got that far.
+    let failed_turn = current
+        .progress
+        .get(message_index)
+        .and_then(|m| m.turns.last())
+        .cloned();
+    let drop_last = match &failed_turn {
+        Some(t) => ctx
+            .buckets
+            .turns
+            .get::<TurnRecord>(t.as_str())
+            .await
+            .map_err(ApiError::internal)?
+            .is_some_and(|(r, _)| matches!(r.state, TurnState::Failed { .. })),
+        None => false,
+    };
+    let next = ctx
+        .buckets
+        .runs
+        .modify::<RunRecord, _>(req.run.as_str(), |cur| match cur {
+            Some(r) if matches!(r.state, RunState::Failed { .. }) => {
+                let mut n = r.clone();
+                n.attempt += 1;
+                n.cancel = None;
+                n.state = RunState::Queued;
+                if drop_last {
+                    if let Some(m) = n.progress.get_mut(message_index) {
+                        m.turns.pop();
+                    }
+                }
+                Change::Write(n)
+            }
+            _ => Change::Keep,
+        })
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
+    let item = LaneItem::Run(RunItem {
+        run: next.id.clone(),
+        attempt: next.attempt,
+    });
+    let env = item.to_envelope(&session.id).map_err(ApiError::internal)?;
+    events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
+        .await
+        .map_err(ApiError::internal)?;
+    let ev = session_event(
+        EventKind::RunRetried,
+        &session.id,
+        None,
+        &json!({ "run": next.id, "attempt": next.attempt, "message_index": message_index }),
+    )
+    .map_err(ApiError::internal)?
+    .with_id(format!("{}:run.retried:{}", next.id, next.attempt));
+    events::publish(&ctx.js, &ev)
+        .await
+        .map_err(ApiError::internal)?;
+    Ok(next)
+}

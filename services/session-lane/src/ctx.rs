@@ -1,0 +1,111 @@
+//! What every lane worker and API handler of one replica shares: the NATS handles, the
+//! topology, the replica's one turn watch, and the small per-replica state (lanes to hand back
+//! at shutdown, sessions whose last delivery failed, bound completion consumers).
+
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::config::StartError;
+use turnstile_shared::topology::{Buckets, TopologyConfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Start(#[from] StartError),
+    #[error("start API service: {0}")]
+    Api(async_nats::Error),
+}
+
+/// Everything a lane worker or API handler needs, shared by reference.
+pub(crate) struct Ctx {
+    pub client: async_nats::Client,
+    pub js: async_nats::jetstream::Context,
+    pub buckets: Buckets,
+    pub topology: TopologyConfig,
+    pub replica: String,
+    pub turns: crate::turn_watch::TurnWatch,
+    /// The process-wide shutdown, as distinct from one lane's cancellation.
+    pub shutdown: CancellationToken,
+    pub handback: std::sync::Mutex<Handback>,
+    /// Sessions whose last delivery failed: their next turn end re-arms a delivery.
+    pub left_pending: std::sync::Mutex<std::collections::HashSet<turnstile_shared::SessionId>>,
+    /// Each session's completion consumer, bound once (deliveries are on the hot path).
+    pub completions: std::sync::Mutex<
+        std::collections::HashMap<
+            turnstile_shared::SessionId,
+            async_nats::jetstream::consumer::PullConsumer,
+        >,
+    >,
+}
+
+/// What a stopping replica gives back once its connection is closed.
+#[derive(Default)]
+pub(crate) struct Handback {
+    /// Lane consumers this replica held the pin of.
+    pub lanes: Vec<String>,
+    /// Ack subjects of the items it held in flight.
+    pub items: Vec<String>,
+}
+
+impl Ctx {
+    pub async fn completion_consumer(
+        &self,
+        session: &turnstile_shared::SessionId,
+    ) -> Result<
+        async_nats::jetstream::consumer::PullConsumer,
+        turnstile_shared::topology::TopologyError,
+    > {
+        if let Some(c) = self
+            .completions
+            .lock()
+            .ok()
+            .and_then(|m| m.get(session).cloned())
+        {
+            return Ok(c);
+        }
+        let c = turnstile_shared::topology::ensure_completion_consumer(
+            &self.js,
+            &self.topology,
+            session,
+        )
+        .await?;
+        if let Ok(mut m) = self.completions.lock() {
+            m.insert(session.clone(), c.clone());
+        }
+        Ok(c)
+    }
+
+    /// Records whether the session's last delivery failed (its completions wait unarmed).
+    pub fn mark_left_pending(&self, session: &turnstile_shared::SessionId, pending: bool) {
+        if let Ok(mut s) = self.left_pending.lock() {
+            if pending {
+                s.insert(session.clone());
+            } else {
+                s.remove(session);
+            }
+        }
+    }
+
+    pub fn left_pending(&self, session: &turnstile_shared::SessionId) -> bool {
+        self.left_pending
+            .lock()
+            .map(|mut s| s.remove(session))
+            .unwrap_or(false)
+    }
+
+    pub fn forget_completion_consumer(&self, session: &turnstile_shared::SessionId) {
+        if let Ok(mut m) = self.completions.lock() {
+            m.remove(session);
+        }
+    }
+
+    pub fn hand_back_lane(&self, consumer: String) {
+        if let Ok(mut h) = self.handback.lock() {
+            h.lanes.push(consumer);
+        }
+    }
+
+    pub fn hand_back_item(&self, ack_subject: String) {
+        if let Ok(mut h) = self.handback.lock() {
+            h.items.push(ack_subject);
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! The hand-off primitives the lane's item kinds share, called downward only (the kinds in
+//! `lane/` use them; nothing here knows the kinds):
+//!
+//! - `item`: give a lane item back, or refuse it to the dead-letter subject (R15);
+//! - `turn`: dispatch a turn, wait for its recorded outcome, finish it (R9, R14);
+//! - `completions`: collect, check (R8) and settle (R3) the completions a turn carries, and
+//!   the delivery marker's clearing and re-arming.
+
+mod completions;
+mod item;
+mod turn;
+
+pub(crate) use completions::{
+    collect, disarm_and_recheck, rearm_if_pending, settle, DeliveryError,
+};
+pub(crate) use item::{reject, release};
+pub(crate) use turn::{dispatch, finish, outcome_event, wait_terminal};

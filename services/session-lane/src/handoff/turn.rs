@@ -1,0 +1,236 @@
+//! The turn primitives every item kind hands its turns through: dispatch (`turn.started` and
+//! the transport command, both acknowledged, R14), the wait for the transport's recorded
+//! outcome (with progress acks, and a lapsed host failing the turn, R9), and the finish that
+//! emits the outcome event and frees the lane.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use chrono::Utc;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::envelope::Envelope;
+use turnstile_shared::events::{self, session_event, EventKind};
+use turnstile_shared::records::{
+    transport_kind, SessionRecord, TurnCommand, TurnRecord, TurnState,
+};
+use turnstile_shared::subjects;
+
+use turnstile_shared::retry::Backoff;
+
+use crate::ctx::Ctx;
+use crate::turn_watch::TurnWaiter;
+
+/// `turn.started` and the transport command, sent together and both acknowledged (R14). The
+/// transport de-duplicates by turn id, so a repeat after a crash never types twice.
+pub(crate) async fn dispatch(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: &jetstream::Message,
+    turn: &turnstile_shared::TurnId,
+    text: &str,
+) -> Result<(), async_nats::Error> {
+    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+    let started = session_event(
+        EventKind::TurnStarted,
+        &session.id,
+        Some(turn),
+        &json!({ "replica": ctx.replica, "host": session.host, "delivery": delivered }),
+    )?;
+    let event_ack = events::send(&ctx.js, &started).await?;
+    let command = Envelope::new(
+        transport_kind::TURN,
+        &TurnCommand {
+            session: session.id.clone(),
+            turn: turn.clone(),
+            text: text.to_string(),
+        },
+    )?
+    .with_session(&session.id)
+    .with_turn(turn)
+    .with_id(turn.to_string());
+    let command_ack = events::send_to(
+        &ctx.js,
+        subjects::transport(&session.host, "turn"),
+        &command,
+        None,
+    )
+    .await?;
+    let (e, c) = tokio::join!(event_ack, command_ack);
+    e?;
+    c?;
+    Ok(())
+}
+
+/// Waits for the transport to record the outcome, keeping the item (and `held`, messages the
+/// turn carries) alive with progress acks.
+pub(crate) async fn wait_terminal(
+    ctx: &Ctx,
+    msg: &jetstream::Message,
+    host: &turnstile_shared::HostName,
+    turn: &turnstile_shared::TurnId,
+    mut waiter: TurnWaiter,
+    cancel: &CancellationToken,
+    held: &[jetstream::Message],
+) -> Option<TurnRecord> {
+    let period = ctx.topology.progress_interval();
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    let mut watching = true;
+    loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return None,
+            changed = waiter.rx.changed(), if watching => {
+                if changed.is_err() {
+                    watching = false;
+                    continue;
+                }
+                let rec = waiter.rx.borrow_and_update().clone();
+                if let Some(rec) = rec.filter(|r| r.state.is_terminal()) {
+                    return Some(rec);
+                }
+            }
+            _ = tick.tick() => {
+                if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                    tracing::debug!(%turn, error = %e, "progress ack");
+                }
+                for h in held {
+                    let _ = h.ack_with(AckKind::Progress).await;
+                }
+                // Fallback for a watch that missed an update across a reconnect.
+                if let Ok(Some((rec, _))) = ctx.buckets.turns.get::<TurnRecord>(turn.as_str()).await {
+                    if rec.state.is_terminal() {
+                        return Some(rec);
+                    }
+                }
+                // A host that stopped heartbeating will not record the outcome: the turn
+                // fails with the named error instead of waiting (R9), and only this host's
+                // sessions are touched.
+                if let Some(rec) = fail_if_host_lapsed(ctx, host, turn).await {
+                    return Some(rec);
+                }
+            }
+        }
+    }
+}
+
+/// Fails the turn `transport_unavailable` if its host's heartbeat key has lapsed.
+async fn fail_if_host_lapsed(
+    ctx: &Ctx,
+    host: &turnstile_shared::HostName,
+    turn: &turnstile_shared::TurnId,
+) -> Option<TurnRecord> {
+    match ctx
+        .buckets
+        .hosts
+        .get::<turnstile_shared::records::HostRecord>(host.as_str())
+        .await
+    {
+        Ok(Some(_)) | Err(_) => return None,
+        Ok(None) => {}
+    }
+    let ended_at = Utc::now();
+    let ttl = ctx.topology.host_ttl;
+    ctx.buckets
+        .turns
+        .modify::<TurnRecord, _>(turn.as_str(), |cur| match cur {
+            Some(r) if !r.state.is_terminal() => turnstile_shared::kv::Change::Write(TurnRecord {
+                state: TurnState::Failed {
+                    ended_at,
+                    reason: turnstile_shared::records::reason::TRANSPORT_UNAVAILABLE.to_string(),
+                    detail: format!(
+                        "host {host} has not heartbeaten for {ttl:?}; its transport agent is gone"
+                    ),
+                    output: Vec::new(),
+                },
+                ..r.clone()
+            }),
+            _ => turnstile_shared::kv::Change::Keep,
+        })
+        .await
+        .ok()
+        .flatten()
+        .filter(|r| r.state.is_terminal())
+}
+
+/// Emits the outcome event (derived from the durable record) and frees the lane.
+pub(crate) async fn finish(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: &jetstream::Message,
+    record: &TurnRecord,
+) {
+    let event = match outcome_event(record) {
+        Ok(ev) => Some(ev),
+        Err(e) => {
+            tracing::error!(turn = %record.id, error = %e, "build outcome event");
+            None
+        }
+    };
+    // The event is sent before the ack (so readers see it before the next turn starts) and its
+    // acknowledgement awaited after, keeping the hand-off to one round trip.
+    let sent = match &event {
+        Some(ev) => Some(events::send(&ctx.js, ev).await),
+        None => None,
+    };
+    if let Err(e) = msg.double_ack().await {
+        tracing::warn!(session = %session.id, turn = %record.id, error = %e, "ack lane item");
+    }
+    let acked = match sent {
+        Some(Ok(ack)) => ack.await,
+        Some(Err(e)) => Err(e),
+        None => Ok(()),
+    };
+    if let (Err(e), Some(ev)) = (acked, event) {
+        tracing::warn!(turn = %record.id, error = %e, "outcome event; retrying");
+        tokio::spawn(republish(ctx.js.clone(), ev));
+    }
+}
+
+/// How an outcome event whose publish failed is retried (its stable id makes a repeat harmless).
+const REPUBLISH: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+const REPUBLISH_TRIES: usize = 10;
+
+/// Retries an event whose publish failed after its lane item was acked (bounded; the event's
+/// stable id makes a repeat harmless).
+async fn republish(js: jetstream::Context, event: Envelope) {
+    for delay in REPUBLISH.delays().take(REPUBLISH_TRIES) {
+        tokio::time::sleep(delay).await;
+        match events::publish(&js, &event).await {
+            Ok(()) => return,
+            Err(e) => tracing::warn!(event = %event.id, error = %e, "outcome event retry"),
+        }
+    }
+    tracing::error!(event = %event.id, "outcome event lost after {REPUBLISH_TRIES} attempts");
+}
+
+/// `turn.completed` or `turn.failed` for a terminal record; shared with the stop path.
+pub(crate) fn outcome_event(
+    record: &TurnRecord,
+) -> Result<Envelope, turnstile_shared::EnvelopeError> {
+    let (k, data) = match &record.state {
+        TurnState::Completed {
+            host,
+            typed_at,
+            ended_at,
+            output,
+        } => (
+            EventKind::TurnCompleted,
+            json!({ "host": host, "typed_at": typed_at, "ended_at": ended_at, "output": output }),
+        ),
+        TurnState::Failed {
+            reason,
+            detail,
+            ended_at,
+            output,
+        } => (
+            EventKind::TurnFailed,
+            json!({ "reason": reason, "detail": detail, "ended_at": ended_at, "output": output }),
+        ),
+        other => (
+            EventKind::TurnFailed,
+            json!({ "reason": "not_terminal", "detail": other.name() }),
+        ),
+    };
+    session_event(k, &record.session, Some(&record.id), &data)
+}

@@ -1,0 +1,155 @@
+//! One session's lane worker: pulls the session's next lane item (at most one is ever in
+//! flight), hands it to its kind, and moves on when the kind has acked it. Occupancy is exactly
+//! "this consumer has an unacked item" (R1); nothing else records it.
+//!
+//! The kinds, one file each, call down into `crate::handoff` and never into each other:
+//! - `turn`: one message (`lane.turn`);
+//! - `delivery`: every pending completion handed over in one turn (`lane.delivery`, R3);
+//! - `run`: a message sequence driven to completion (`lane.run`, R5).
+
+mod delivery;
+mod run;
+mod turn;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use async_nats::jetstream;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::lane::LaneItem;
+use turnstile_shared::records::SessionRecord;
+use turnstile_shared::{subjects, topology};
+
+use crate::ctx::Ctx;
+use crate::handoff::{rearm_if_pending, reject};
+
+type ItemFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+#[derive(Debug, thiserror::Error)]
+enum LaneError {
+    #[error(transparent)]
+    Topology(#[from] topology::TopologyError),
+    #[error("open pull stream on {consumer}: {source}")]
+    Pull {
+        consumer: String,
+        source: async_nats::Error,
+    },
+    #[error("pull stream of {0} ended")]
+    Ended(String),
+}
+
+/// Serves the lane until cancelled; errors (NATS restarts, a deleted consumer) are retried.
+pub(crate) async fn run_lane(ctx: Arc<Ctx>, session: SessionRecord, cancel: CancellationToken) {
+    let mut delays = turnstile_shared::consume::RESUME.delays();
+    while !cancel.is_cancelled() {
+        match serve(&ctx, &session, &cancel).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(session = %session.id, error = %e, "lane interrupted; resuming");
+                delays.wait_or_cancel(&cancel).await;
+            }
+        }
+    }
+    tracing::debug!(session = %session.id, "lane worker stopped");
+}
+
+async fn serve(
+    ctx: &Arc<Ctx>,
+    session: &SessionRecord,
+    cancel: &CancellationToken,
+) -> Result<(), LaneError> {
+    let name = subjects::lane_consumer(&session.id);
+    let consumer = topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    ctx.completion_consumer(&session.id).await?;
+    rearm_if_pending(ctx, &session.id);
+    let expiry = ctx.topology.lane_pull_expiry();
+    let mut messages = consumer
+        .stream()
+        .group(subjects::LANE_GROUP)
+        .max_messages_per_batch(1)
+        .expires(expiry)
+        .heartbeat(expiry / 2)
+        .messages()
+        .await
+        .map_err(|e| LaneError::Pull {
+            consumer: name.clone(),
+            source: e.into(),
+        })?;
+    let item_cancel = cancel.child_token();
+    let mut in_flight: Option<(u64, ItemFuture)> = None;
+    // The next item can arrive while the current handler finishes its tail (after its ack,
+    // awaiting the outcome event's ack); it waits here rather than being dropped.
+    let mut next_item: Option<jetstream::Message> = None;
+    // Whether this replica ever held the lane's pin (it received an item).
+    let mut pinned = false;
+    let ended = loop {
+        if in_flight.is_none() {
+            if let Some(msg) = next_item.take() {
+                let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+                let fut = handle_item(ctx.clone(), session.clone(), msg, item_cancel.clone());
+                in_flight = Some((seq, Box::pin(fut)));
+            }
+        }
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break None,
+            _ = async { if let Some((_, f)) = in_flight.as_mut() { f.await } }, if in_flight.is_some() => {
+                in_flight = None;
+            }
+            next = messages.next() => match next {
+                Some(Ok(msg)) => {
+                    pinned = true;
+                    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+                    match &in_flight {
+                        // A redelivery of the item we still hold (its ack wait ran out).
+                        Some((current, _)) if *current == seq => {
+                            tracing::debug!(session = %session.id, seq, "redelivery of item in flight");
+                        }
+                        _ => next_item = Some(msg),
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::debug!(session = %session.id, error = %e, "lane pull");
+                }
+                None => break Some(LaneError::Ended(name.clone())),
+            }
+        }
+    };
+    if let Some(err) = ended {
+        // Keep the item we hold: its handler is still waiting; a fresh pull stream redelivers
+        // nothing new while it is unacked.
+        if let Some((_, f)) = in_flight {
+            f.await;
+        }
+        return Err(err);
+    }
+    // Stop pulling and let the item's handler give it back (see `release`); at process
+    // shutdown the pin is released only after this replica's connection has closed (lib.rs).
+    drop(messages);
+    item_cancel.cancel();
+    if let Some((_, f)) = in_flight {
+        f.await;
+    }
+    if pinned && ctx.shutdown.is_cancelled() {
+        ctx.hand_back_lane(name);
+    }
+    Ok(())
+}
+
+async fn handle_item(
+    ctx: Arc<Ctx>,
+    session: SessionRecord,
+    msg: jetstream::Message,
+    cancel: CancellationToken,
+) {
+    match LaneItem::decode(&msg.payload, &session.id) {
+        Ok(LaneItem::Turn(item)) => turn::run_turn(&ctx, &session, msg, item, &cancel).await,
+        Ok(LaneItem::Delivery(item)) => {
+            delivery::run_delivery(&ctx, &session, msg, item, &cancel).await
+        }
+        Ok(LaneItem::Run(item)) => run::run_run(&ctx, &session, msg, item, &cancel).await,
+        Err(e) => reject(&ctx, &session, &msg, &e.to_string()).await,
+    }
+}

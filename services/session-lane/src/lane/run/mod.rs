@@ -1,0 +1,147 @@
+//! A `run` lane item (R5): while it holds the lane it drives its messages to completion. Each
+//! message is a turn; then, round after round, it waits until everything that turn started is
+//! terminal, hands the completions to the agent as one next turn (R3; the run is the session's
+//! only deliverer meanwhile, R4), and stops when a turn starts nothing new. Then the next
+//! message, then the finalizer. Bounded by `max_rounds`, `max_duration` and `idle_timeout`
+//! (R10); `completed` only if every message completed (R12). Progress lives in the run record,
+//! so a replica that takes the lane over continues where the run was (R14).
+
+//!
+//! - `driver`: the rounds of each message, the bounds, the end (R5, R10, R12);
+//! - `wait`: waiting for a turn's whole subtree and taking what came back;
+//! - `events`: the run's lifecycle events.
+
+mod driver;
+mod events;
+mod wait;
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use chrono::Utc;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::delivery::{DeliveryItem, DeliveryMarker};
+use turnstile_shared::events::EventKind;
+use turnstile_shared::kv::Change;
+use turnstile_shared::records::SessionRecord;
+use turnstile_shared::runs::{RunItem, RunRecord, RunState};
+use turnstile_shared::{DeliveryId, SessionId};
+
+use crate::ctx::Ctx;
+use crate::handoff::{disarm_and_recheck, reject, release};
+use driver::{DriveError, Driver};
+use events::event;
+
+pub(super) async fn run_run(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: jetstream::Message,
+    item: RunItem,
+    cancel: &CancellationToken,
+) {
+    let record = match ctx.buckets.runs.get::<RunRecord>(item.run.as_str()).await {
+        Ok(Some((r, _))) => r,
+        Ok(None) => {
+            let reason = format!("no run record {}", item.run);
+            return reject(ctx, session, &msg, &reason).await;
+        }
+        Err(e) => return retry(&msg, &item, &e.to_string()).await,
+    };
+    if record.session != session.id {
+        let reason = format!("run {} belongs to session {}", record.id, record.session);
+        return reject(ctx, session, &msg, &reason).await;
+    }
+    if record.state.is_terminal() {
+        let _ = msg.double_ack().await;
+        return;
+    }
+    let record = match start(ctx, record).await {
+        Ok(r) => r,
+        Err(e) => return retry(&msg, &item, &e.to_string()).await,
+    };
+    // R4: while the run holds the lane, its marker tells the broker a deliverer exists.
+    let marker = hold_deliveries(ctx, &session.id).await;
+    let mut driver = Driver {
+        ctx,
+        session,
+        msg: &msg,
+        cancel,
+        run: record,
+    };
+    match driver.drive().await {
+        Ok(Some(end)) => {
+            if let Err(e) = driver.end(end).await {
+                return retry(&msg, &item, &e.to_string()).await;
+            }
+            if let Some(m) = marker {
+                if let Err(e) = disarm_and_recheck(ctx, &session.id, &m).await {
+                    tracing::warn!(run = %item.run, error = %e, "release delivery marker");
+                }
+            }
+            let _ = msg.double_ack().await;
+        }
+        // Cancelled (replica stopping): the lane moves, the run continues elsewhere.
+        Ok(None) => release(ctx, &msg).await,
+        Err(e) => retry(&msg, &item, &e.to_string()).await,
+    }
+}
+
+async fn retry(msg: &jetstream::Message, item: &RunItem, e: &str) {
+    tracing::warn!(run = %item.run, error = %e, "run interrupted; retrying");
+    let _ = msg
+        .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+        .await;
+}
+
+async fn start(ctx: &Ctx, record: RunRecord) -> Result<RunRecord, DriveError> {
+    if !matches!(record.state, RunState::Queued) {
+        return Ok(record);
+    }
+    let started_at = Utc::now();
+    let next = ctx
+        .buckets
+        .runs
+        .modify::<RunRecord, _>(record.id.as_str(), |cur| match cur {
+            Some(r) if matches!(r.state, RunState::Queued) => Change::Write(RunRecord {
+                state: RunState::Running { started_at },
+                ..r.clone()
+            }),
+            _ => Change::Keep,
+        })
+        .await?
+        .ok_or(DriveError::Gone)?;
+    event(
+        ctx,
+        &next,
+        EventKind::RunStarted,
+        json!({ "messages": next.messages.len() }),
+    )
+    .await;
+    Ok(next)
+}
+
+/// Creates the session's delivery marker for the run (unless a delivery is armed already);
+/// returns it as an item to clear when the run ends.
+async fn hold_deliveries(ctx: &Ctx, session: &SessionId) -> Option<DeliveryItem> {
+    let marker = DeliveryMarker {
+        delivery: DeliveryId::new(),
+        armed_at: Utc::now(),
+    };
+    match ctx
+        .buckets
+        .deliveries
+        .create(session.as_str(), &marker)
+        .await
+    {
+        Ok(Some(rev)) => Some(DeliveryItem {
+            delivery: marker.delivery,
+            marker_rev: Some(rev),
+        }),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!(%session, error = %e, "hold deliveries for the run");
+            None
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Waiting for a run turn's whole subtree (R5): the tree is read from the broker's exec API,
+//! step events and heartbeats are progress (R10), a cancel notice interrupts, and the wait
+//! for the completions of what finished is bounded.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use futures::StreamExt;
+use turnstile_shared::api;
+use turnstile_shared::delivery::Completion;
+use turnstile_shared::step_api::{ExecRef, TreeNode};
+use turnstile_shared::subjects;
+use turnstile_shared::{ExecutionId, TurnId};
+
+use super::driver::{DriveError, Driver, Wait, API};
+use turnstile_shared::retry::Backoff;
+
+use crate::handoff::collect;
+
+/// How often a wait for children re-reads the tree even without an event (a missed event
+/// costs at most this).
+const RECHECK: Duration = Duration::from_secs(2);
+
+/// How often a run looks again for the completions of what its turn's subtree finished.
+const COMPLETIONS_POLL: Backoff =
+    Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
+
+impl Driver<'_> {
+    /// Waits until the turn's whole subtree is terminal (R5). Step events are progress (R10).
+    pub(super) async fn wait_children(
+        &self,
+        index: usize,
+        turn: &TurnId,
+    ) -> Result<Wait, DriveError> {
+        let mut events = match self
+            .ctx
+            .client
+            .subscribe(subjects::session_step_events(&self.session.id))
+            .await
+        {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "step events; re-reading the tree on a timer");
+                None
+            }
+        };
+        let mut cancel_notice = self
+            .ctx
+            .client
+            .subscribe(subjects::run_cancel(&self.run.id))
+            .await
+            .ok();
+        // Step heartbeats are progress too (R10).
+        let mut beats = self
+            .ctx
+            .client
+            .subscribe(subjects::progress(&self.session.id))
+            .await
+            .ok();
+        let mut last_progress = tokio::time::Instant::now();
+        let id = ExecutionId::from(turn);
+        loop {
+            let tree: Option<TreeNode> = api::call(
+                &self.ctx.client,
+                subjects::api::EXEC_TREE,
+                &ExecRef { id: id.clone() },
+                API,
+            )
+            .await
+            .ok();
+            if let Some(t) = &tree {
+                if t.settled {
+                    let mut ids = Vec::new();
+                    collect_ids(t, &mut ids);
+                    return Ok(Wait::Settled(ids));
+                }
+            }
+            let idle = self.run.limits.idle_timeout;
+            let deadline = last_progress + idle;
+            if let Some(end) = self.over_time(index) {
+                return Ok(Wait::OverTime(end));
+            }
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return Ok(Wait::Cancelled),
+                Some(_) = async { match cancel_notice.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
+                    return Ok(Wait::RunCancelled);
+                }
+                Some(_) = async { match events.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
+                    last_progress = tokio::time::Instant::now();
+                }
+                Some(_) = async { match beats.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
+                    last_progress = tokio::time::Instant::now();
+                }
+                _ = tokio::time::sleep(RECHECK) => {}
+                _ = tokio::time::sleep_until(deadline) => return Ok(Wait::Idle),
+            }
+            // Keep the run item alive while it waits.
+            let _ = self.msg.ack_with(AckKind::Progress).await;
+        }
+    }
+    /// Takes pending completions for the session, waiting (bounded) until every execution the
+    /// turn's subtree finished has its completion here: routing follows the terminal record.
+    pub(super) async fn take_completions(
+        &self,
+        expected: &[ExecutionId],
+    ) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DriveError> {
+        let mut want: HashSet<ExecutionId> = expected.iter().cloned().collect();
+        let mut carried = Vec::new();
+        let mut held = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut pauses = COMPLETIONS_POLL.delays();
+        loop {
+            let (c, h) = collect(self.ctx, self.session).await?;
+            for (comp, _) in &c {
+                want.remove(&comp.execution);
+            }
+            carried.extend(c);
+            held.extend(h);
+            // Executions whose completion goes elsewhere (detached work watched by others)
+            // never arrive here; the wait is bounded.
+            if want.is_empty() || tokio::time::Instant::now() >= deadline {
+                return Ok((carried, held));
+            }
+            pauses.wait().await;
+        }
+    }
+}
+
+/// Every step under the node (not the node itself).
+fn collect_ids(node: &TreeNode, out: &mut Vec<ExecutionId>) {
+    for n in &node.nodes {
+        out.push(n.record.id.clone());
+        collect_ids(n, out);
+    }
+}

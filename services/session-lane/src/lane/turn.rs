@@ -1,0 +1,91 @@
+//! A `turn` lane item: one message typed into the agent once it holds the lane (R2), its
+//! outcome waited for, then the lane freed. A redelivered item (after a crash or fail-over)
+//! first reads the turn's record, so an ended turn is only finished, never typed again (R14).
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use chrono::Utc;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::lane::TurnItem;
+use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
+
+use crate::ctx::Ctx;
+use crate::handoff::{dispatch, finish, rearm_if_pending, reject, release, wait_terminal};
+
+/// Serves one `turn` item to its end (or gives it back when the replica stops).
+pub(super) async fn run_turn(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: jetstream::Message,
+    item: TurnItem,
+    cancel: &CancellationToken,
+) {
+    let waiter = ctx.turns.wait(&item.turn);
+    let nak = |delay: Option<Duration>| msg.ack_with(AckKind::Nak(delay));
+    // A first delivery cannot have an outcome yet, so the hot path dispatches without reading
+    // the record (the transport creates or checks it, idempotent by turn id). A redelivery
+    // (after a crash or fail-over) looks first: the turn may have ended meanwhile.
+    let first_delivery = msg.info().map(|i| i.delivered <= 1).unwrap_or(false);
+    if !first_delivery {
+        let record = match current_record(ctx, session, &item).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "read turn; retrying");
+                let _ = nak(Some(Duration::from_millis(500))).await;
+                return;
+            }
+        };
+        if record.session != session.id {
+            let reason = format!("turn {} belongs to session {}", record.id, record.session);
+            return reject(ctx, session, &msg, &reason).await;
+        }
+        if record.state.is_terminal() {
+            return finish(ctx, session, &msg, &record).await;
+        }
+    }
+    if let Err(e) = dispatch(ctx, session, &msg, &item.turn, &item.text).await {
+        tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
+        let _ = nak(Some(Duration::from_millis(500))).await;
+        return;
+    }
+    match wait_terminal(ctx, &msg, &session.host, &item.turn, waiter, cancel, &[]).await {
+        Some(record) => {
+            finish(ctx, session, &msg, &record).await;
+            if ctx.left_pending(&session.id) {
+                rearm_if_pending(ctx, &session.id);
+            }
+        }
+        // Cancelled: hand the item back so the replica that takes the lane continues it.
+        None => release(ctx, &msg).await,
+    }
+}
+
+/// The turn's record; created here for items published straight onto the lane subject.
+async fn current_record(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    item: &TurnItem,
+) -> Result<TurnRecord, turnstile_shared::kv::KvError> {
+    let key = item.turn.as_str();
+    if let Some((r, _)) = ctx.buckets.turns.get::<TurnRecord>(key).await? {
+        return Ok(r);
+    }
+    let fresh = TurnRecord {
+        id: item.turn.clone(),
+        session: session.id.clone(),
+        text: item.text.clone(),
+        queued_at: Utc::now(),
+        delivery: None,
+        parent: None,
+        state: TurnState::Queued,
+    };
+    ctx.buckets.turns.create(key, &fresh).await?;
+    Ok(ctx
+        .buckets
+        .turns
+        .get::<TurnRecord>(key)
+        .await?
+        .map(|(r, _)| r)
+        .unwrap_or(fresh))
+}
