@@ -23,8 +23,21 @@ pub enum ExecKind {
 }
 
 /// Who may end an execution besides itself (R7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    Serialize,
+    Deserialize,
+    strum::Display,
+    strum::EnumString,
+    strum::VariantNames,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case", parse_err_ty = String, parse_err_fn = unknown_scope)]
 pub enum Scope {
     /// Dies with the turn that started it, however that turn ends.
     #[default]
@@ -35,28 +48,8 @@ pub enum Scope {
     Detached,
 }
 
-impl std::str::FromStr for Scope {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "turn" => Ok(Self::Turn),
-            "run" => Ok(Self::Run),
-            "detached" => Ok(Self::Detached),
-            other => Err(format!(
-                "unknown scope {other:?} (known: turn, run, detached)"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for Scope {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Turn => "turn",
-            Self::Run => "run",
-            Self::Detached => "detached",
-        })
-    }
+fn unknown_scope(s: &str) -> String {
+    crate::names::unknown::<Scope>("scope", s)
 }
 
 /// What a step does and who runs it.
@@ -94,8 +87,9 @@ pub struct StepResult {
 }
 
 /// Queued until it holds its worker (R2); then Running; then one terminal state, never left.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, strum::IntoStaticStr)]
 #[serde(tag = "status", rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum ExecStatus {
     Queued,
     Running {
@@ -132,14 +126,9 @@ impl ExecStatus {
         !matches!(self, Self::Queued | Self::Running { .. })
     }
 
+    /// The state's name, as serialised in its `status` tag.
     pub fn name(&self) -> &'static str {
-        match self {
-            Self::Queued => "queued",
-            Self::Running { .. } => "running",
-            Self::Completed { .. } => "completed",
-            Self::Failed { .. } => "failed",
-            Self::Cancelled { .. } => "cancelled",
-        }
+        self.into()
     }
 
     pub fn started_at(&self) -> Option<DateTime<Utc>> {

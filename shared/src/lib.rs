@@ -14,6 +14,7 @@ pub mod execution;
 pub mod ids;
 pub mod kv;
 pub mod lane;
+pub mod names;
 pub mod records;
 pub mod retry;
 pub mod runs;

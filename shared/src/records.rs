@@ -7,8 +7,21 @@ use serde::{Deserialize, Serialize};
 use crate::ids::{ConversationId, DeliveryId, ExecutionId, HostName, SessionId, TurnId};
 
 /// Which adapter drives a session's agent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    strum::Display,
+    strum::EnumString,
+    strum::VariantNames,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case", parse_err_ty = String, parse_err_fn = unknown_agent_kind)]
 pub enum AgentKind {
     /// The bundled `turnstile mock-agent` in a tmux pane.
     Mock,
@@ -22,32 +35,8 @@ pub enum AgentKind {
     Tmux,
 }
 
-impl std::str::FromStr for AgentKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "mock" => Ok(Self::Mock),
-            "instant" => Ok(Self::Instant),
-            "claude" => Ok(Self::Claude),
-            "codex" => Ok(Self::Codex),
-            "tmux" => Ok(Self::Tmux),
-            other => Err(format!(
-                "unknown agent kind {other:?} (known: mock, instant, claude, codex, tmux)"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for AgentKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Mock => "mock",
-            Self::Instant => "instant",
-            Self::Claude => "claude",
-            Self::Codex => "codex",
-            Self::Tmux => "tmux",
-        })
-    }
+fn unknown_agent_kind(s: &str) -> String {
+    crate::names::unknown::<AgentKind>("agent kind", s)
 }
 
 /// How the generic `tmux` adapter runs a session's CLI.
@@ -152,8 +141,9 @@ pub struct CarriedCompletion {
 }
 
 /// Queued until a transport types it; then Running; then one terminal state, never left.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, strum::IntoStaticStr)]
 #[serde(tag = "status", rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum TurnState {
     Queued,
     Running {
@@ -186,13 +176,9 @@ impl TurnState {
         matches!(self, Self::Completed { .. } | Self::Failed { .. })
     }
 
+    /// The state's name, as serialised in its `status` tag.
     pub fn name(&self) -> &'static str {
-        match self {
-            Self::Queued => "queued",
-            Self::Running { .. } => "running",
-            Self::Completed { .. } => "completed",
-            Self::Failed { .. } => "failed",
-        }
+        self.into()
     }
 }
 

@@ -138,8 +138,9 @@ impl RunRecord {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, strum::IntoStaticStr)]
 #[serde(tag = "status", rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum RunState {
     /// Waiting on the lane (R2: not running until it holds it).
     Queued,
@@ -170,13 +171,9 @@ impl RunState {
         matches!(self, Self::Completed { .. } | Self::Failed { .. })
     }
 
+    /// The state's name, as serialised in its `status` tag.
     pub fn name(&self) -> &'static str {
-        match self {
-            Self::Queued => "queued",
-            Self::Running { .. } => "running",
-            Self::Completed { .. } => "completed",
-            Self::Failed { .. } => "failed",
-        }
+        self.into()
     }
 }
 

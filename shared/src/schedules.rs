@@ -10,8 +10,21 @@ use crate::ids::{RunId, SessionId};
 use crate::runs::RunLimits;
 
 /// What a slot does while the schedule's previous run still goes (R11).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    Serialize,
+    Deserialize,
+    strum::Display,
+    strum::EnumString,
+    strum::VariantNames,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case", parse_err_ty = String, parse_err_fn = unknown_overlap)]
 pub enum Overlap {
     /// Record the slot `skipped`, naming the run it yielded to.
     #[default]
@@ -24,24 +37,22 @@ pub enum Overlap {
     CancelOther,
 }
 
-impl std::str::FromStr for Overlap {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "skip" => Ok(Self::Skip),
-            "buffer_one" => Ok(Self::BufferOne),
-            "allow_all" => Ok(Self::AllowAll),
-            "cancel_other" => Ok(Self::CancelOther),
-            other => Err(format!(
-                "unknown overlap policy {other:?} (known: skip, buffer_one, cancel_other, allow_all)"
-            )),
-        }
-    }
-}
-
 /// Which missed slots fire when the scheduler comes back (within the catch-up window).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    Serialize,
+    Deserialize,
+    strum::Display,
+    strum::EnumString,
+    strum::VariantNames,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case", parse_err_ty = String, parse_err_fn = unknown_catchup)]
 pub enum Catchup {
     /// Only the most recent missed slot fires; the others are recorded `missed`.
     #[default]
@@ -52,18 +63,12 @@ pub enum Catchup {
     None,
 }
 
-impl std::str::FromStr for Catchup {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "latest" => Ok(Self::Latest),
-            "all" => Ok(Self::All),
-            "none" => Ok(Self::None),
-            other => Err(format!(
-                "unknown catch-up policy {other:?} (known: latest, all, none)"
-            )),
-        }
-    }
+fn unknown_overlap(s: &str) -> String {
+    crate::names::unknown::<Overlap>("overlap policy", s)
+}
+
+fn unknown_catchup(s: &str) -> String {
+    crate::names::unknown::<Catchup>("catch-up policy", s)
 }
 
 mod secs {
@@ -139,8 +144,9 @@ pub struct ScheduleRecord {
 }
 
 /// What became of one slot (R11): exactly one per slot.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, strum::IntoStaticStr)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum SlotOutcome {
     Fired {
         fired_at: DateTime<Utc>,
@@ -170,12 +176,9 @@ impl SlotOutcome {
         }
     }
 
+    /// The state's name, as serialised in its `outcome` tag.
     pub fn name(&self) -> &'static str {
-        match self {
-            Self::Fired { .. } => "fired",
-            Self::Skipped { .. } => "skipped",
-            Self::Missed { .. } => "missed",
-        }
+        self.into()
     }
 }
 
