@@ -1,5 +1,21 @@
 //! The vocabulary every Turnstile service shares: typed ids, the versioned wire envelope,
 //! records kept in KV, subject names and the JetStream topology.
+//!
+//! Layout, from the bottom up (a module uses only those above it in this list):
+//!
+//! - `ids`, `names`, `duration`, `retry`: typed ids with prefixes; enum names spelled once;
+//!   the one duration grammar; the one retry policy.
+//! - `subjects`: every stream, bucket, consumer and subject name (nothing else spells them).
+//! - `envelope`: the versioned wire envelope (an unknown version is refused, R15).
+//! - `events`: the event-kind registry (`EventKind`) and the one publish path.
+//! - `api`: request/reply types, the error-code registry (`ErrorCode`) and the typed client;
+//!   `service`: the request loop behind every endpoint.
+//! - `kv`: typed compare-and-set over KV buckets; `topology`: provisioning; `config`: flags
+//!   and connect; `consume`: the durable-consumer loops; `deadletter`: refusals; `telemetry`.
+//! - Records: `records` (sessions, turns, hosts, transport commands), `execution` (the tree),
+//!   `delivery` (completions and the delivery item), `runs`, `schedules`, `step_api`.
+//! - `lane`: the lane item, above the records it carries; `arming`: arming a session's one
+//!   delivery item, above the lane item.
 
 pub mod api;
 pub mod arming;

@@ -1,4 +1,4 @@
-//! Records kept in KV and the payloads of lane items and transport commands. States are enums
+//! Records kept in KV and the payloads of transport commands. States are enums
 //! that carry their own data, so a record cannot claim an outcome it has no evidence for.
 
 use chrono::{DateTime, Utc};

@@ -69,7 +69,33 @@ impl Stack {
         }
         stack.spawn_broker("b1")?;
         stack.spawn_scheduler("s1")?;
+        stack.wait_serving(!replicas.is_empty()).await?;
         Ok(stack)
+    }
+
+    /// Waits (bounded) until every service's API answers, so a test's first call does not
+    /// race a service still starting (any reply counts, an error reply too).
+    pub async fn wait_serving(&self, lanes: bool) -> Result<()> {
+        let mut apis = vec![subj::SCHEDULES_LIST, subj::EXEC_TREE];
+        if lanes {
+            apis.push(subj::SESSION_LIST);
+        }
+        for subject in apis {
+            turnstile_tests::wait_until(
+                &format!("{subject} to answer"),
+                Duration::from_secs(30),
+                || async move {
+                    let r: Result<serde_json::Value, api::ApiError> =
+                        api::call(&self.client, subject, &serde_json::json!({}), API).await;
+                    Ok(match r {
+                        Err(e) if e.code.is_transient() => None,
+                        _ => Some(()),
+                    })
+                },
+            )
+            .await?;
+        }
+        Ok(())
     }
 
     /// Short timings so fail-over takes seconds in tests (production defaults are 30 s).
