@@ -5,6 +5,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 scripts/install-nats-server.sh
 export NATS_SERVER_BIN="$PWD/.tools/bin/nats-server"
+# The official MCP Python SDK, the real client the `turnstile mcp` integration test drives.
+scripts/install-python-tools.sh
+export TURNSTILE_PYTHON="$PWD/.tools/venv/bin/python"
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings

@@ -63,7 +63,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// An MCP server over stdio for agents: tools start_step, step_status, list_steps.
+    /// An MCP server over stdio for agents (built on rmcp): tools start_step, start_agent,
+    /// step_status, list_steps.
     Mcp,
     /// An interactive fake coding-agent CLI, for tests and demos.
     MockAgent {

@@ -8,6 +8,7 @@ mod delivery;
 mod faults;
 mod hosts;
 mod lanes;
+mod mcp;
 mod runs;
 mod schedules;
 mod stack;
