@@ -26,7 +26,8 @@ pub struct LimitArgs {
     /// Longest the run may go, e.g. 90m (default 3h).
     #[arg(long, value_parser = duration::parse_flag)]
     pub max_duration: Option<Duration>,
-    /// Longest a round may go without agent output, e.g. 5m (default 10m).
+    /// Longest a run may wait on its children without progress (a step event or heartbeat),
+    /// e.g. 5m (default 10m).
     #[arg(long, value_parser = duration::parse_flag)]
     pub idle_timeout: Option<Duration>,
 }

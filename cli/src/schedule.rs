@@ -26,7 +26,8 @@ pub enum ScheduleCommand {
         /// Letters, digits, `-` and `_`; at most 40.
         #[arg(long)]
         name: String,
-        /// Five-field cron expression, e.g. "0 9 * * 1-5".
+        /// Cron expression: 5 fields, 6 with seconds first, or a macro such as @daily,
+        /// e.g. "0 9 * * 1-5" (docs/runs-and-schedules.md lists every form).
         #[arg(long)]
         cron: String,
         /// IANA zone the cron expression is read in, e.g. Asia/Kolkata.
@@ -40,8 +41,8 @@ pub enum ScheduleCommand {
         /// Sent last in each run, once every message completed.
         #[arg(long)]
         finalizer: Option<String>,
-        /// When a slot comes while the previous run still goes: skip, buffer_one or
-        /// allow_all (default skip).
+        /// When a slot comes while the previous run still goes: skip, buffer_one,
+        /// cancel_other or allow_all (default skip).
         #[arg(long, value_parser = str::parse::<Overlap>)]
         overlap: Option<Overlap>,
         /// How far back missed slots are considered when the scheduler comes back.
@@ -262,23 +263,6 @@ fn print_record(rec: &ScheduleRecord, json: bool, text: &str) -> anyhow::Result<
     Ok(())
 }
 
-fn overlap_name(o: Overlap) -> &'static str {
-    match o {
-        Overlap::Skip => "skip",
-        Overlap::BufferOne => "buffer_one",
-        Overlap::AllowAll => "allow_all",
-        Overlap::CancelOther => "cancel_other",
-    }
-}
-
-fn catchup_name(c: Catchup) -> &'static str {
-    match c {
-        Catchup::Latest => "latest",
-        Catchup::All => "all",
-        Catchup::None => "none",
-    }
-}
-
 fn state(r: &ScheduleRecord) -> &'static str {
     if r.paused.is_some() {
         "paused"
@@ -296,7 +280,7 @@ fn list_line(r: &ScheduleRecord) -> String {
         s.cron,
         s.tz,
         s.session.as_str(),
-        overlap_name(s.overlap),
+        s.overlap,
         state(r),
         r.last_run.as_ref().map(|id| id.as_str()).unwrap_or("-")
     )
@@ -337,10 +321,10 @@ fn print_view(v: &ScheduleView) {
     }
     println!("cron       {}  (in {})", s.cron, s.tz);
     println!("session    {}", s.session);
-    println!("overlap    {}", overlap_name(s.overlap));
+    println!("overlap    {}", s.overlap);
     println!(
         "catch-up   {} within {}",
-        catchup_name(s.catchup),
+        s.catchup,
         duration::format(s.catchup_window)
     );
     println!("late after {}", duration::format(s.late_threshold));
