@@ -1,5 +1,10 @@
 //! `turnstile-bench lanes`: lane hand-off latency and lane throughput, measured beside the raw
 //! JetStream floor in the same run on the same nats-server. Prints one JSON object.
+//!
+//! Layout: `floor` (publish, PubAck, durable pull, double ack: the raw JetStream floor),
+//! `inproc` (the services started in this process, with the instant agent), `lanes` (hand-off
+//! latency and throughput over the lanes), `completions` (a step's report to the delivery
+//! turn's dispatch). `main` runs them in that order and prints the figures with their ratios.
 
 mod completions;
 mod floor;
