@@ -15,8 +15,9 @@ pub enum StepOutcome {
     Fail,
 }
 
-/// The `--scope` handed to `turnstile step start`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The `--scope` handed to `turnstile step start`, spelled once (as the CLI spells it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::EnumString, strum::IntoStaticStr)]
+#[strum(serialize_all = "lowercase")]
 pub enum StepScope {
     Turn,
     Run,
@@ -25,21 +26,12 @@ pub enum StepScope {
 
 impl StepScope {
     pub(crate) fn parse(text: &str) -> Option<Self> {
-        match text {
-            "turn" => Some(Self::Turn),
-            "run" => Some(Self::Run),
-            "detached" => Some(Self::Detached),
-            _ => None,
-        }
+        text.parse().ok()
     }
 
     /// The value as the CLI spells it.
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Turn => "turn",
-            Self::Run => "run",
-            Self::Detached => "detached",
-        }
+        self.into()
     }
 }
 
@@ -235,6 +227,8 @@ mod tests {
             let spec = step(&format!("s 1 --scope {word}"));
             assert_eq!(spec.scope, Some(scope));
             assert_eq!(scope.as_str(), word);
+            assert_eq!(StepScope::parse(word), Some(scope));
+            assert_eq!(StepScope::parse(&word.to_uppercase()), None);
             assert_eq!(
                 args(&spec),
                 ["step", "start", "--name", "s", "--scope", word, "--", "sleep", "1"]
