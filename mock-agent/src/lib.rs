@@ -8,7 +8,8 @@
 //!
 //! Directives, one per line of a message (other lines are prose):
 //!
-//! - `!sleep DUR`: show the spinner for `DUR` (`500ms`, `2s`, `1.5`, `1m`, `1h`).
+//! - `!sleep DUR`: show the spinner for `DUR` (`500ms`, `2s`, `1.5`, `1m`, `1h30m`: the one
+//!   duration grammar of `turnstile_shared::duration`).
 //! - `!reply TEXT`: a reply line; any `!reply` replaces the default `ok: <first prose line>`.
 //! - `!exit [CODE]`: exit with `CODE` (default 0) without replying.
 //! - `!hang`: spin until the terminal goes away.
