@@ -1,5 +1,22 @@
 //! `turnstile`: the operator CLI, `turnstile dev` (the whole stack on one machine) and the
 //! bundled `turnstile mock-agent`.
+//!
+//! # Layout
+//!
+//! `main` parses the command line and calls one module's `run`. Each module is one command
+//! group that talks to the services over NATS (`turnstile_shared::api`); the few calls between
+//! modules go down this list, never up:
+//!
+//! * `session`: `turnstile session ...`, the session-lane API (create, list, show, send, stop).
+//! * `schedule`: `turnstile schedule ...`, the scheduler API. Calls `runs` (printers, limits).
+//! * `runs`: `turnstile run ...`, the runs API (start, show, retry, cancel, list). Leaf.
+//! * `steps`: `turnstile step ...`, `tree`, `cancel`: the broker's APIs. Calls `worker`.
+//! * `worker`: `turnstile step work`, a worker for `external` steps. Leaf.
+//! * `hosts`: `turnstile host list`, live transport hosts and their sessions. Leaf.
+//! * `mcp`: `turnstile mcp`, the step tools as an MCP server over stdio. Leaf.
+//! * `dev`: `turnstile dev`, nats-server and every service in this process. Calls `events`.
+//! * `events`: `turnstile events`, follows `TS_EVENTS`. Leaf.
+//! * `turnstile mock-agent` is the `turnstile_mock_agent` crate, run before any runtime starts.
 
 mod dev;
 mod events;

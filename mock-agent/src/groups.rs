@@ -6,8 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::directives::{StepOutcome, StepScope, StepSpec};
-use crate::duration::parse_duration;
+use turnstile_shared::duration;
+
+use crate::step_spec::{StepOutcome, StepScope, StepSpec};
 
 /// The plan kept beside the transcript, so a resumed conversation goes on with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,7 +31,7 @@ impl Plan {
         if total == 0 {
             return Err("group count must be at least 1".into());
         }
-        let duration = parse_duration(tokens.next().ok_or("missing duration")?)
+        let duration = duration::parse(tokens.next().ok_or("missing duration")?)
             .map_err(|e| format!("duration: {e}"))?;
         let scope = match (tokens.next(), tokens.next()) {
             (None, _) => StepScope::Run,

@@ -1,12 +1,15 @@
-//! `turnstile mock-agent`: a fake interactive coding-agent CLI that runs in a tmux pane so Turnstile can be tested and demoed without a real agent.
+//! `turnstile mock-agent`: a fake interactive coding-agent CLI that runs in a tmux pane so
+//! Turnstile can be tested and demoed without a real agent.
 //!
 //! The agent prints a banner and a `❯ ` prompt, accepts typed or bracketed-pasted messages,
 //! records each one to `<state_dir>/<conversation-id>.jsonl`, obeys `!sleep`, `!reply`,
-//! `!exit`, `!hang` and `!step` directives and answers with a `● …` reply followed by a fresh prompt.
+//! `!exit`, `!hang` and `!step` directives and answers with a `● …` reply followed by a fresh
+//! prompt.
 //!
 //! Directives, one per line of a message (other lines are prose):
 //!
-//! - `!sleep DUR`: show the spinner for `DUR` (`500ms`, `2s`, `1.5`, `1m`, `1h`).
+//! - `!sleep DUR`: show the spinner for `DUR` (`500ms`, `2s`, `1.5`, `1m`, `1h30m`: the one
+//!   duration grammar of `turnstile_shared::duration`).
 //! - `!reply TEXT`: a reply line; any `!reply` replaces the default `ok: <first prose line>`.
 //! - `!exit [CODE]`: exit with `CODE` (default 0) without replying.
 //! - `!hang`: spin until the terminal goes away.
@@ -15,14 +18,29 @@
 //!   `sh -c "sleep SECS; exit 1"` for `fail`) and wait for it to exit, where `<turnstile>` is
 //!   `$TURNSTILE_BIN` or this executable. Each line it prints becomes a `step NAME: …` reply
 //!   line; a failure becomes `step NAME: start failed: …`. Neither replaces the default reply.
+//!
+//! # Layout
+//!
+//! [`run`] opens the transcript, engages the terminal and hands over to `session`. Calls go
+//! down this list, never up:
+//!
+//! * `session`: the conversation loop (read, echo, record, act, reply). Calls everything below.
+//! * `directives`: a message's directives and prose, and its reply. Calls `groups`, `step_spec`.
+//! * `groups`: the `!groups` plan (one step per turn), kept on disk. Calls `step_spec`.
+//! * `step`: runs `turnstile step start` for a `!step` and reads its output. Calls `step_spec`.
+//! * `step_spec`: a `!step`'s arguments and the command line they become. Leaf.
+//! * `input`: raw terminal bytes to submitted messages (line editing, paste). Leaf.
+//! * `spinner`: the "working…" line while busy. Leaf.
+//! * `terminal`: raw mode and bracketed paste for the agent's lifetime. Leaf.
+//! * `transcript`: the JSONL record of submitted messages, one file per conversation. Leaf.
 
 mod directives;
-mod duration;
 mod groups;
 mod input;
 mod session;
 mod spinner;
 mod step;
+mod step_spec;
 mod terminal;
 mod transcript;
 
@@ -30,8 +48,6 @@ use std::io;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-
-pub use duration::parse_duration;
 
 use session::{drive, Session};
 use terminal::TerminalGuard;

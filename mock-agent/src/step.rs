@@ -8,7 +8,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::directives::StepSpec;
+use crate::step_spec::StepSpec;
 
 /// Environment variable naming the turnstile executable; the agent's own executable otherwise.
 pub const BIN_ENV: &str = "TURNSTILE_BIN";

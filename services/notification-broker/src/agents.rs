@@ -22,8 +22,8 @@ use turnstile_shared::runs::{RunRecord, RunState, StartRun};
 use turnstile_shared::step_api::{step_kind, Ended, StepWorkItem};
 use turnstile_shared::{consume, subjects, topology, ExecutionId, RunId};
 
-use crate::api::step_event;
 use crate::registry;
+use crate::step_events::step_event;
 use crate::Ctx;
 
 const API: Duration = Duration::from_secs(10);

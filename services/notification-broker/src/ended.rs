@@ -19,8 +19,8 @@ use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::{step_kind, Ended};
 use turnstile_shared::{consume, subjects, topology};
 
-use crate::api::step_envelope;
 use crate::registry::{self, Reach};
+use crate::step_events::step_envelope;
 use crate::Ctx;
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {

@@ -1,6 +1,19 @@
 //! The notification-broker service: the execution registry and tree (R6), the step API agents'
 //! tool calls use (authenticated by session or step token), completion routing to owners and
 //! watchers (R8), delivery arming (R3) and cancellation by ownership (R7).
+//!
+//! # Layout
+//!
+//! [`run`] starts five tasks on one shared `Ctx`. Calls go down this list, never up:
+//!
+//! * `api`: step and exec APIs (`api/steps`, `api/exec`). Calls `auth`, `step_events`, `registry`.
+//! * `ended`: the one writer of terminal states. Calls `step_events`, `registry`.
+//! * `agents`: agent steps, each a run on a session of its own. Calls `step_events`, `registry`.
+//! * `turns`: running turns become tree nodes; an ended one cancels its work. Calls `registry`.
+//! * `runs_mirror`: runs and their messages become tree nodes. Calls nothing here.
+//! * `auth`: who a step API call acts for (session or step token). Leaf.
+//! * `step_events`: builds and publishes the `step.<status>` session events. Leaf.
+//! * `registry`: executions in KV, the child index, the tree walk, cancel by ownership. Leaf.
 
 mod agents;
 mod api;
@@ -8,6 +21,7 @@ mod auth;
 mod ended;
 mod registry;
 mod runs_mirror;
+mod step_events;
 mod turns;
 
 use std::collections::HashMap;

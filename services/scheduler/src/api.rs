@@ -10,6 +10,7 @@ use futures::TryStreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{ApiError, ErrorCode};
+use turnstile_shared::events::EventKind;
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::runs::RunRecord;
 use turnstile_shared::schedules::{
@@ -22,7 +23,6 @@ use turnstile_shared::{subjects, RunId};
 use crate::cron::CronSpec;
 use crate::ticker::{fire, schedule_event, start_run, update, TickError};
 use crate::{Ctx, Error};
-use turnstile_shared::events::EventKind;
 
 /// Slots a backfill may fire at once.
 const MAX_BACKFILL: usize = 500;
@@ -65,14 +65,10 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     Ok(())
 }
 
-fn internal(e: impl std::fmt::Display) -> ApiError {
-    ApiError::internal(e.to_string())
-}
-
 fn tick(e: TickError) -> ApiError {
     match e {
         TickError::Api(e) => e,
-        other => internal(other),
+        other => ApiError::internal(other),
     }
 }
 
@@ -81,7 +77,7 @@ async fn get(ctx: &Ctx, name: &str) -> Result<ScheduleRecord, ApiError> {
         .schedules
         .get::<ScheduleRecord>(name)
         .await
-        .map_err(internal)?
+        .map_err(ApiError::internal)?
         .map(|(r, _)| r)
         .ok_or_else(|| ApiError::not_found(format!("no schedule {name:?}")))
 }
@@ -111,7 +107,7 @@ async fn add(ctx: Arc<Ctx>, spec: ScheduleSpec) -> Result<ScheduleRecord, ApiErr
         .sessions
         .get::<SessionRecord>(spec.session.as_str())
         .await
-        .map_err(internal)?
+        .map_err(ApiError::internal)?
         .map(|(r, _)| r)
         .ok_or_else(|| ApiError::not_found(format!("no session {}", spec.session)))?;
     if !session.is_active() {
@@ -135,7 +131,7 @@ async fn add(ctx: Arc<Ctx>, spec: ScheduleSpec) -> Result<ScheduleRecord, ApiErr
         .schedules
         .create(&spec.name, &record)
         .await
-        .map_err(internal)?
+        .map_err(ApiError::internal)?
         .is_none()
     {
         return Err(ApiError::new(
@@ -153,7 +149,7 @@ async fn list(ctx: Arc<Ctx>, _req: ListSchedules) -> Result<Vec<ScheduleRecord>,
         .schedules
         .values::<ScheduleRecord>()
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     all.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
     Ok(all)
 }
@@ -184,10 +180,10 @@ async fn slots_of(ctx: &Ctx, name: &str) -> Result<Vec<SlotRecord>, ApiError> {
         .store()
         .keys()
         .await
-        .map_err(internal)?
+        .map_err(ApiError::internal)?
         .try_collect()
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     let mut out = Vec::new();
     for k in keys.iter().filter(|k| k.starts_with(&prefix)) {
         if let Some((r, _)) = ctx
@@ -195,7 +191,7 @@ async fn slots_of(ctx: &Ctx, name: &str) -> Result<Vec<SlotRecord>, ApiError> {
             .slots
             .get::<SlotRecord>(k)
             .await
-            .map_err(internal)?
+            .map_err(ApiError::internal)?
         {
             out.push(r);
         }
@@ -277,7 +273,7 @@ async fn backfill(ctx: Arc<Ctx>, req: Backfill) -> Result<Vec<SlotRecord>, ApiEr
             .slots
             .get::<SlotRecord>(&key)
             .await
-            .map_err(internal)?;
+            .map_err(ApiError::internal)?;
         if existing.is_none() {
             fire(&ctx, &s, slot, Utc::now()).await.map_err(tick)?;
         }
@@ -286,7 +282,7 @@ async fn backfill(ctx: Arc<Ctx>, req: Backfill) -> Result<Vec<SlotRecord>, ApiEr
             .slots
             .get::<SlotRecord>(&key)
             .await
-            .map_err(internal)?
+            .map_err(ApiError::internal)?
         {
             out.push(r);
         }
@@ -301,7 +297,7 @@ async fn delete(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleRecord, ApiEr
         .store()
         .delete(&req.name)
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     schedule_event(&ctx, &req.name, EventKind::ScheduleDeleted, json!({})).await;
     Ok(s)
 }

@@ -1,6 +1,15 @@
 //! The scheduler service: schedules and their API, cron in IANA zones, slot claims (R11),
 //! overlap and catch-up. Several replicas may run: each slot is decided by whoever creates its
 //! record first, and the run it fires is queued on the session's lane through session-lane.
+//!
+//! # Layout
+//!
+//! [`run`] starts the API and the ticker on one shared `Ctx`. Calls go down this list, never up:
+//!
+//! * `api`: the `ts.api.schedules.*` service (add, list, show, ... delete). Calls `ticker`, `cron`.
+//! * `ticker`: the loop that claims due slots and fires their runs. Calls `plan`, `cron`.
+//! * `plan`: what becomes of a due slot (skip, miss, fire, overlap), pure. Leaf.
+//! * `cron`: cron expressions in an IANA zone to slot instants (UTC), pure. Leaf.
 
 mod api;
 pub mod cron;

@@ -1,5 +1,22 @@
 //! The transport agent: one per host. It runs each session's agent in a terminal on this host,
 //! types the turns the session lanes dispatch, and records how each turn ended.
+//!
+//! # Layout
+//!
+//! [`run`] builds the adapters and starts four tasks on one shared `Ctx`. Calls go down this
+//! list, never up:
+//!
+//! * `steps`: `command` steps run in the session's cwd. Calls `commands` (refusals), `tail`.
+//! * `commands`: this host's transport commands (start, turn, stop). Calls the adapters.
+//! * `watch`: reports agents that die while their session is idle. Calls `tmux`.
+//! * `heartbeat`: this host's TTL'd record in the hosts bucket. Calls nothing here.
+//! * `mock`, `generic`: adapters for agents in tmux panes. Call `credentials`, `tmux`.
+//! * `claude`: Claude Code, one headless process per session. Calls `credentials`, `tail`.
+//! * `codex`: Codex CLI, one headless process per turn. Calls `tail`.
+//! * `credentials`: a session's env file, MCP config and launcher. Uses `adapter`'s types.
+//! * `adapter`: the `Adapter` trait every adapter implements, and the instant one. Leaf.
+//! * `tail`: the last lines a process wrote, and its exit status. Leaf.
+//! * `tmux`: the tmux CLI on the transport's private socket. Leaf.
 
 mod adapter;
 mod claude;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use tokio::time::Instant;
 use turnstile_shared::records::reason;
+use turnstile_shared::retry::Backoff;
 use turnstile_shared::ConversationId;
 
 use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
@@ -19,6 +20,9 @@ const EVIDENCE_LINES: usize = 20;
 /// How long a re-adopted turn's terminal must sit unchanged at its mark before the turn counts
 /// as never typed.
 const ADOPT_GRACE: Duration = Duration::from_secs(2);
+/// Pane poll delays: quick at first (most turns of a fast agent end in milliseconds), then
+/// relaxed.
+const PANE_POLL: Backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(100));
 
 pub struct MockAdapter {
     pub tmux: Tmux,
@@ -33,19 +37,6 @@ pub struct MockAdapter {
 
 fn is_ready(state: &PaneState) -> bool {
     !state.dead && state.cursor_text().trim_end() == PROMPT
-}
-
-/// Poll delays: quick at first (most turns of a fast agent end in milliseconds), then relaxed.
-struct Backoff(Duration);
-
-impl Backoff {
-    fn new() -> Self {
-        Self(Duration::from_millis(5))
-    }
-    async fn wait(&mut self) {
-        tokio::time::sleep(self.0).await;
-        self.0 = (self.0 * 2).min(Duration::from_millis(100));
-    }
 }
 
 impl MockAdapter {
@@ -90,7 +81,7 @@ impl MockAdapter {
 
     /// Polls until the prompt shows, the pane dies, or the deadline passes.
     async fn wait_ready(&self, name: &str, deadline: Instant) -> Result<PaneState, Unavailable> {
-        let mut backoff = Backoff::new();
+        let mut delays = PANE_POLL.delays();
         loop {
             let state = self.tmux.pane_state(name).await.map_err(|e| Unavailable {
                 detail: format!("terminal {name}: {e}"),
@@ -114,7 +105,7 @@ impl MockAdapter {
                     last_lines: state.last_lines(EVIDENCE_LINES),
                 });
             }
-            backoff.wait().await;
+            delays.wait().await;
         }
     }
 
@@ -126,7 +117,7 @@ impl MockAdapter {
         timeout: Duration,
     ) -> TurnEnd {
         let deadline = Instant::now() + timeout;
-        let mut backoff = Backoff::new();
+        let mut delays = PANE_POLL.delays();
         loop {
             let state = match self.tmux.pane_state(name).await {
                 Ok(s) => s,
@@ -168,7 +159,7 @@ impl MockAdapter {
                     output: state.last_lines(EVIDENCE_LINES),
                 };
             }
-            backoff.wait().await;
+            delays.wait().await;
         }
     }
 }
@@ -292,7 +283,7 @@ impl Adapter for MockAdapter {
             // line promptly; a terminal still on a bare prompt at the mark after the grace
             // period never received it.
             let deadline = Instant::now() + ADOPT_GRACE;
-            let mut backoff = Backoff::new();
+            let mut delays = PANE_POLL.delays();
             loop {
                 match self.tmux.pane_state(name).await {
                     Ok(s) if s.dead || s.cursor_line() > mark => break,
@@ -302,7 +293,7 @@ impl Adapter for MockAdapter {
                     Ok(_) => {}
                     Err(_) => break,
                 }
-                backoff.wait().await;
+                delays.wait().await;
             }
             Adopted::Ended(self.wait_turn_end(name, Some(mark), timeout).await)
         })

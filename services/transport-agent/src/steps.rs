@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ApiError};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::{exec_reason, StepResult, StepWork};
+use turnstile_shared::retry::Backoff;
 use turnstile_shared::step_api::{step_kind, Report, ReportAck, StepReport, StepWorkItem};
 use turnstile_shared::{consume, subjects, topology};
 
@@ -23,6 +24,8 @@ use crate::{Ctx, Error};
 /// Lines of output kept for the result.
 const TAIL_LINES: usize = 20;
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Retries of a report while the broker is unreachable.
+const REPORT_RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
     consume::until_shutdown("step work", &shutdown, || consume(&ctx, &shutdown)).await;
@@ -243,7 +246,7 @@ async fn call(
         token: item.token.clone(),
         report,
     };
-    let mut delay = Duration::from_millis(200);
+    let mut delays = REPORT_RETRY.delays();
     loop {
         match api::call::<_, ReportAck>(
             &ctx.client,
@@ -265,11 +268,9 @@ async fn call(
                 });
             }
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return None,
-            _ = tokio::time::sleep(delay) => {}
+        if !delays.wait_or_cancel(shutdown).await {
+            return None;
         }
-        delay = (delay * 2).min(Duration::from_secs(5));
     }
 }
 

@@ -1,70 +1,31 @@
-//! The `ts.api.steps.*` and `ts.api.exec.*` services. Steps are parented to the turn the
-//! caller's lane holds at that moment (R6), never to "whatever runs in that session"; every
-//! call that acts for a session or step is authenticated by its token.
+//! The `ts.api.steps.*` handlers: start, report, status and list. Steps are parented to the
+//! turn the caller's lane holds at that moment (R6), never to "whatever runs in that session";
+//! every call that acts for a session or step is authenticated by its token. A start lands the
+//! step in the registry and queues its work; reports move it from queued to running to its end.
 
 use std::sync::Arc;
 
-use async_nats::service::ServiceExt;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{ApiError, ErrorCode};
-use turnstile_shared::events::{self, session_event, EventKind};
+use turnstile_shared::events::{self, EventKind};
 use turnstile_shared::execution::exec_reason;
 use turnstile_shared::execution::{ExecKind, ExecStatus, ExecutionRecord, Scope, StepWork};
 use turnstile_shared::ids::{is_token, new_secret};
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
-use turnstile_shared::service::serve_endpoint;
 use turnstile_shared::step_api::{
-    Cancelled, Ended, ExecRef, ListSteps, Report, ReportAck, StartStep, StepKind, StepReport,
-    StepStatus, StepWorkItem, TreeNode,
+    Ended, ListSteps, Report, ReportAck, StartStep, StepKind, StepReport, StepStatus, StepWorkItem,
 };
 use turnstile_shared::{subjects, ExecutionId};
 
 use crate::auth::{authenticate, same_secret, Identity};
-use crate::registry::{self, Reach};
-use crate::{Ctx, Error};
+use crate::registry;
+use crate::step_events::step_event;
+use crate::Ctx;
 
 const MAX_NAME: usize = 200;
 const MAX_ARGV: usize = 64 * 1024;
 const LIST_LIMIT: usize = 200;
-
-pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
-    let service = ctx
-        .client
-        .service_builder()
-        .description("Turnstile steps and the execution tree")
-        .start(subjects::api::BROKER_SERVICE, env!("CARGO_PKG_VERSION"))
-        .await
-        .map_err(Error::Api)?;
-    let steps = service.group(subjects::api::STEPS_GROUP);
-    let exec = service.group(subjects::api::EXEC_GROUP);
-    let mut tasks = Vec::new();
-    macro_rules! endpoint {
-        ($group:ident, $verb:literal, $handler:path) => {{
-            let endpoint = $group.endpoint($verb).await.map_err(Error::Api)?;
-            tasks.push(tokio::spawn(serve_endpoint(
-                ctx.clone(),
-                endpoint,
-                shutdown.clone(),
-                $handler,
-            )));
-        }};
-    }
-    endpoint!(steps, "start", start);
-    endpoint!(steps, "report", report);
-    endpoint!(steps, "status", status);
-    endpoint!(steps, "list", list);
-    endpoint!(exec, "tree", tree);
-    endpoint!(exec, "cancel", cancel);
-    futures::future::join_all(tasks).await;
-    let _ = service.stop().await;
-    Ok(())
-}
-
-fn internal(e: impl std::fmt::Display) -> ApiError {
-    ApiError::internal(e.to_string())
-}
 
 /// Where a new step hangs in the tree and who owns it.
 struct Placement {
@@ -79,20 +40,20 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
         Identity::Session(session) => {
             let turn = registry::lane_occupant(ctx, &session.id)
                 .await
-                .map_err(internal)?
+                .map_err(ApiError::internal)?
                 .ok_or_else(|| no_turn(&session.id))?;
             let record = ctx
                 .buckets
                 .turns
                 .get::<TurnRecord>(turn.as_str())
                 .await
-                .map_err(internal)?
+                .map_err(ApiError::internal)?
                 .map(|(r, _)| r)
                 .filter(|r| r.session == session.id && matches!(r.state, TurnState::Running { .. }))
                 .ok_or_else(|| no_turn(&session.id))?;
             let parent = registry::mirror_turn(ctx, &record)
                 .await
-                .map_err(internal)?
+                .map_err(ApiError::internal)?
                 .ok_or_else(|| no_turn(&session.id))?;
             let (owner, watchers) = match scope {
                 Scope::Detached => (None, vec![session.id.clone()]),
@@ -117,7 +78,7 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
                 .sessions
                 .get::<SessionRecord>(parent.session.as_str())
                 .await
-                .map_err(internal)?
+                .map_err(ApiError::internal)?
                 .map(|(r, _)| r)
                 .ok_or_else(|| ApiError::not_found(format!("no session {}", parent.session)))?;
             let (owner, watchers) = match scope {
@@ -174,13 +135,16 @@ fn validate(req: &StartStep) -> Result<(), ApiError> {
     Ok(())
 }
 
-async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiError> {
+pub(super) async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiError> {
     validate(&req)?;
     let identity = authenticate(&ctx, &req.caller, "start step").await?;
     let placement = place(&ctx, identity, req.scope).await?;
     let step = req.id.clone().unwrap_or_default();
     let exec_id = ExecutionId::from(&step);
-    if let Some(existing) = registry::get(&ctx, &exec_id).await.map_err(internal)? {
+    if let Some(existing) = registry::get(&ctx, &exec_id)
+        .await
+        .map_err(ApiError::internal)?
+    {
         // A retry of the same start returns it; anything else is re-registration (R8).
         if existing.session == placement.session.id && existing.name == req.name {
             return Ok(existing.redacted());
@@ -224,13 +188,13 @@ async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiErro
     // by the tree walk), never a child its parent does not know.
     registry::add_child(&ctx, &placement.parent.id, &exec_id)
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     let created = ctx
         .buckets
         .executions
         .create(exec_id.as_str(), &record)
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     if created.is_none() {
         return Err(ApiError::new(
             ErrorCode::ForeignExecution,
@@ -249,45 +213,19 @@ async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiErro
         StepWork::External { queue, .. } => subjects::step_external(queue),
         StepWork::Agent { .. } => subjects::STEP_AGENT.to_string(),
     };
-    let env = item.envelope().map_err(internal)?;
+    let env = item.envelope().map_err(ApiError::internal)?;
     events::publish_durable(&ctx.js, subject, &env, None)
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     step_event(&ctx, &record, EventKind::StepQueued).await;
     Ok(record.redacted())
 }
 
-/// `step.<status>` on the session the step belongs to, de-duplicated per (step, status).
-pub(crate) async fn step_event(ctx: &Ctx, record: &ExecutionRecord, k: EventKind) {
-    match step_envelope(record, k) {
-        Ok(ev) => {
-            if let Err(e) = events::publish(&ctx.js, &ev).await {
-                tracing::warn!(execution = %record.id, error = %e, "step event");
-            }
-        }
-        Err(e) => tracing::warn!(execution = %record.id, error = %e, "build step event"),
-    }
-}
-
-pub(crate) fn step_envelope(
-    record: &ExecutionRecord,
-    k: EventKind,
-) -> Result<turnstile_shared::Envelope, turnstile_shared::EnvelopeError> {
-    let data = json!({
-        "execution": record.id,
-        "name": record.name,
-        "parent": record.parent,
-        "scope": record.scope,
-        "owner": record.owner,
-        "watchers": record.watchers,
-        "status": record.status,
-    });
-    session_event(k, &record.session, None, &data).map(|e| e.with_id(format!("{}:{k}", record.id)))
-}
-
-async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {
+pub(super) async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {
     let exec_id = ExecutionId::from(&req.step);
-    let record = registry::get(&ctx, &exec_id).await.map_err(internal)?;
+    let record = registry::get(&ctx, &exec_id)
+        .await
+        .map_err(ApiError::internal)?;
     let authentic = record
         .as_ref()
         .and_then(|r| r.token.as_deref())
@@ -322,7 +260,7 @@ async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {
             };
             registry::publish_end(&ctx, &ended)
                 .await
-                .map_err(internal)?;
+                .map_err(ApiError::internal)?;
             Ok(ack(&ended.status))
         }
         Report::Failed { reason, result } => {
@@ -337,7 +275,7 @@ async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {
             };
             registry::publish_end(&ctx, &ended)
                 .await
-                .map_err(internal)?;
+                .map_err(ApiError::internal)?;
             Ok(ack(&ended.status))
         }
     }
@@ -377,7 +315,9 @@ async fn started(
                 },
             },
         };
-        registry::publish_end(ctx, &ended).await.map_err(internal)?;
+        registry::publish_end(ctx, &ended)
+            .await
+            .map_err(ApiError::internal)?;
         return Ok(ack(&ended.status));
     }
     let now = chrono::Utc::now();
@@ -396,7 +336,7 @@ async fn started(
             _ => Change::Keep,
         })
         .await
-        .map_err(internal)?
+        .map_err(ApiError::internal)?
         .ok_or_else(|| ApiError::not_found(format!("no step {}", record.id)))?;
     match &next.status {
         ExecStatus::Running {
@@ -438,7 +378,7 @@ async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, Api
             None => Change::Keep,
         })
         .await
-        .map_err(internal)?;
+        .map_err(ApiError::internal)?;
     // Progress for a run waiting on this step (R10): core NATS, nothing kept.
     let payload = serde_json::to_vec(&json!({ "execution": record.id })).unwrap_or_default();
     for s in std::iter::once(&record.session).chain(record.targets().iter()) {
@@ -456,11 +396,11 @@ async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, Api
     ))
 }
 
-async fn status(ctx: Arc<Ctx>, req: StepStatus) -> Result<ExecutionRecord, ApiError> {
+pub(super) async fn status(ctx: Arc<Ctx>, req: StepStatus) -> Result<ExecutionRecord, ApiError> {
     let identity = authenticate(&ctx, &req.caller, "step status").await?;
     let record = registry::get(&ctx, &ExecutionId::from(&req.step))
         .await
-        .map_err(internal)?
+        .map_err(ApiError::internal)?
         .ok_or_else(|| ApiError::not_found(format!("no step {}", req.step)))?;
     let visible = match &identity {
         Identity::Session(s) => record.session == s.id || record.may_receive(&s.id),
@@ -473,7 +413,7 @@ async fn status(ctx: Arc<Ctx>, req: StepStatus) -> Result<ExecutionRecord, ApiEr
 }
 
 /// The caller session's steps, newest first (a scan of the registry; bounded).
-async fn list(ctx: Arc<Ctx>, req: ListSteps) -> Result<Vec<ExecutionRecord>, ApiError> {
+pub(super) async fn list(ctx: Arc<Ctx>, req: ListSteps) -> Result<Vec<ExecutionRecord>, ApiError> {
     let identity = authenticate(&ctx, &req.caller, "list steps").await?;
     let session = match &identity {
         Identity::Session(s) => s.id.clone(),
@@ -484,7 +424,7 @@ async fn list(ctx: Arc<Ctx>, req: ListSteps) -> Result<Vec<ExecutionRecord>, Api
         .executions
         .values::<ExecutionRecord>()
         .await
-        .map_err(internal)?
+        .map_err(ApiError::internal)?
         .into_iter()
         .filter(|r| r.kind == ExecKind::Step && (r.session == session || r.may_receive(&session)))
         .map(|r| r.redacted())
@@ -492,42 +432,4 @@ async fn list(ctx: Arc<Ctx>, req: ListSteps) -> Result<Vec<ExecutionRecord>, Api
     steps.sort_by_key(|r| std::cmp::Reverse(r.created_at));
     steps.truncate(LIST_LIMIT);
     Ok(steps)
-}
-
-async fn tree(ctx: Arc<Ctx>, req: ExecRef) -> Result<TreeNode, ApiError> {
-    registry::tree(&ctx, &req.id)
-        .await
-        .map_err(internal)?
-        .ok_or_else(|| ApiError::not_found(format!("no execution {}", req.id)))
-}
-
-/// Cancels an execution and everything it owns (R7). A turn itself is not interrupted (its
-/// agent finishes typing its reply); what the turn owns is cancelled.
-async fn cancel(ctx: Arc<Ctx>, req: ExecRef) -> Result<Cancelled, ApiError> {
-    let record = registry::get(&ctx, &req.id)
-        .await
-        .map_err(internal)?
-        .ok_or_else(|| ApiError::not_found(format!("no execution {}", req.id)))?;
-    let mut cancelled = Vec::new();
-    match record.kind {
-        ExecKind::Step => {
-            if !record.status.is_terminal() {
-                let ended = Ended::cancelled(
-                    record.id.clone(),
-                    exec_reason::CANCELLED,
-                    record.status.started_at(),
-                );
-                registry::publish_end(&ctx, &ended)
-                    .await
-                    .map_err(internal)?;
-                cancelled.push(record.id.clone());
-            }
-        }
-        ExecKind::Turn | ExecKind::Delivery | ExecKind::Run | ExecKind::Message => {
-            cancelled = registry::cancel_under(&ctx, &record, Reach::Owned, exec_reason::CANCELLED)
-                .await
-                .map_err(internal)?;
-        }
-    }
-    Ok(Cancelled { cancelled })
 }

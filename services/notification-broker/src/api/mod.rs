@@ -1,0 +1,50 @@
+//! The broker's NATS micro service: one service (`subjects::api::BROKER_SERVICE`, a queue
+//! group across replicas) with the `ts.api.steps.*` group (handlers in [`steps`]) and the
+//! `ts.api.exec.*` group (handlers in [`exec`]). This file only wires endpoints to handlers;
+//! calls go down from here to the handler modules, never back.
+
+mod exec;
+mod steps;
+
+use std::sync::Arc;
+
+use async_nats::service::ServiceExt;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::service::serve_endpoint;
+use turnstile_shared::subjects;
+
+use crate::{Ctx, Error};
+
+/// Serves both groups until `shutdown` is cancelled.
+pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
+    let service = ctx
+        .client
+        .service_builder()
+        .description("Turnstile steps and the execution tree")
+        .start(subjects::api::BROKER_SERVICE, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(Error::Api)?;
+    let steps_group = service.group(subjects::api::STEPS_GROUP);
+    let exec_group = service.group(subjects::api::EXEC_GROUP);
+    let mut tasks = Vec::new();
+    macro_rules! endpoint {
+        ($group:ident, $verb:literal, $handler:path) => {{
+            let endpoint = $group.endpoint($verb).await.map_err(Error::Api)?;
+            tasks.push(tokio::spawn(serve_endpoint(
+                ctx.clone(),
+                endpoint,
+                shutdown.clone(),
+                $handler,
+            )));
+        }};
+    }
+    endpoint!(steps_group, "start", steps::start);
+    endpoint!(steps_group, "report", steps::report);
+    endpoint!(steps_group, "status", steps::status);
+    endpoint!(steps_group, "list", steps::list);
+    endpoint!(exec_group, "tree", exec::tree);
+    endpoint!(exec_group, "cancel", exec::cancel);
+    futures::future::join_all(tasks).await;
+    let _ = service.stop().await;
+    Ok(())
+}
