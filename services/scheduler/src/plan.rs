@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use turnstile_shared::schedules::{Catchup, Overlap, ScheduleSpec};
 use turnstile_shared::RunId;
 
-/// Named reasons on `skipped` and `missed` slot records; documented in docs/schedules.md.
+/// Named reasons on `skipped` and `missed` slot records; documented in docs/runs-and-schedules.md.
 pub mod slot_reason {
     pub const PAUSED: &str = "paused";
     pub const OVERLAP: &str = "overlap";
