@@ -138,6 +138,8 @@ async fn serve(
     Ok(())
 }
 
+/// The one match on the item kind: each kind serves its item to its end and acks, gives back
+/// or refuses it itself.
 async fn handle_item(
     ctx: Arc<Ctx>,
     session: SessionRecord,

@@ -5,7 +5,6 @@
 //! message, then the finalizer. Bounded by `max_rounds`, `max_duration` and `idle_timeout`
 //! (R10); `completed` only if every message completed (R12). Progress lives in the run record,
 //! so a replica that takes the lane over continues where the run was (R14).
-
 //!
 //! - `driver`: the rounds of each message, the bounds, the end (R5, R10, R12);
 //! - `wait`: waiting for a turn's whole subtree and taking what came back;
