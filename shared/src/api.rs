@@ -76,7 +76,9 @@ pub struct SessionView {
 /// Every code an API error can carry: the one registry of them, used by every service and the
 /// CLI. Serialised snake_case (`"not_found"`). A code this build does not know (sent by a newer
 /// service) is kept as [`ErrorCode::Other`] with its text, so an old client still shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, strum::Display, strum::EnumString)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, strum::Display, strum::EnumString, strum::VariantNames,
+)]
 #[strum(serialize_all = "snake_case")]
 pub enum ErrorCode {
     /// The request could not be read or breaks a rule of its API (R15).

@@ -121,6 +121,11 @@ impl EventKind {
     pub fn as_str(self) -> &'static str {
         self.into()
     }
+
+    /// Every kind, in registry order (for documentation checks and readers listing them).
+    pub fn all() -> impl Iterator<Item = EventKind> {
+        <Self as strum::IntoEnumIterator>::iter()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -7,6 +7,7 @@ mod children;
 mod delivery;
 mod faults;
 mod hosts;
+mod house;
 mod lanes;
 mod mcp;
 mod runs;
