@@ -53,6 +53,9 @@ async fn main() -> Result<()> {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
+    // The deployment's provisioning step (`turnstile admin provision`): services only bind.
+    let js = async_nats::jetstream::new(nats.client().await?);
+    turnstile_shared::topology::provision(&js, &Default::default()).await?;
     let floor = floor::measure(&nats, 2000).await?;
     let lanes = lanes::measure(&nats, single, sessions, each).await?;
     let completion = completions::measure(&nats, completions).await?;

@@ -7,6 +7,7 @@
 //! group that talks to the services over NATS (`turnstile_shared::api`); the few calls between
 //! modules go down this list, never up:
 //!
+//! * `admin`: `turnstile admin provision`, creates the streams and buckets. Leaf.
 //! * `session`: `turnstile session ...`, the session-lane API (create, list, show, send, stop).
 //! * `schedule`: `turnstile schedule ...`, the scheduler API. Calls `runs` (printers, limits).
 //! * `runs`: `turnstile run ...`, the runs API (start, show, retry, cancel, list). Leaf.
@@ -18,6 +19,7 @@
 //! * `events`: `turnstile events`, follows `TS_EVENTS`. Leaf.
 //! * `turnstile mock-agent` is the `turnstile_mock_agent` crate, run before any runtime starts.
 
+mod admin;
 mod dev;
 mod events;
 mod hosts;
@@ -51,6 +53,9 @@ struct Cli {
 enum Command {
     /// Run a local nats-server and every service in this process, with a demo session.
     Dev(dev::DevArgs),
+    /// Deployment steps run with an admin identity (provision the streams and buckets).
+    #[command(subcommand)]
+    Admin(admin::AdminCommand),
     /// Create, inspect, message and stop sessions.
     #[command(subcommand)]
     Session(session::SessionCommand),
@@ -120,6 +125,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Dev(args) => dev::run(args).await,
+            Command::Admin(cmd) => admin::run(&cli.nats.url, cmd).await,
             Command::Session(cmd) => session::run(&cli.nats.url, cmd).await,
             Command::Schedule(cmd) => schedule::run(&cli.nats.url, cmd).await,
             Command::Run(cmd) => runs::run(&cli.nats.url, cmd).await,

@@ -3,6 +3,9 @@
 
 use std::time::Duration;
 
+use tokio_util::sync::CancellationToken;
+
+use crate::retry::Backoff;
 use crate::topology::TopologyConfig;
 
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -104,6 +107,8 @@ pub enum StartError {
     },
     #[error(transparent)]
     Topology(#[from] crate::topology::TopologyError),
+    #[error("stopped while waiting for the topology")]
+    Cancelled,
 }
 
 /// What every service holds once it has started.
@@ -113,18 +118,34 @@ pub struct Connected {
     pub buckets: crate::topology::Buckets,
 }
 
-/// Connects (retrying) and provisions the topology: the common start of every service.
+/// How a starting service retries binding a topology that is not provisioned yet.
+const BIND_RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+
+/// Connects (retrying) and binds the provisioned topology: the common start of every service.
+/// Until `turnstile admin provision` has run, it logs the missing stream or bucket as an error
+/// and tries again, so services may start before the provisioning; `shutdown` ends the wait.
 pub async fn start(
     url: &str,
     name: &str,
-    topology: &TopologyConfig,
+    shutdown: &CancellationToken,
 ) -> Result<Connected, StartError> {
     let (bare, _) = split_credentials(url);
     let client = connect(url, name)
         .await
         .map_err(|source| StartError::Connect { url: bare, source })?;
     let js = async_nats::jetstream::new(client.clone());
-    let buckets = crate::topology::provision(&js, topology).await?;
+    let mut delays = BIND_RETRY.delays();
+    let buckets = loop {
+        match crate::topology::bind(&js).await {
+            Ok(b) => break b,
+            Err(e) => {
+                tracing::error!(service = name, error = %e, "topology not ready; retrying");
+                if !delays.wait_or_cancel(shutdown).await {
+                    return Err(StartError::Cancelled);
+                }
+            }
+        }
+    };
     Ok(Connected {
         client,
         js,

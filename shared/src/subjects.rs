@@ -23,6 +23,28 @@ pub const RUNS_BUCKET: &str = "ts_runs";
 pub const SCHEDULES_BUCKET: &str = "ts_schedules";
 pub const SLOTS_BUCKET: &str = "ts_slots";
 
+/// Every stream `turnstile admin provision` creates.
+pub const ALL_STREAMS: [&str; 6] = [
+    LANE_STREAM,
+    TRANSPORT_STREAM,
+    COMPLETION_STREAM,
+    STEP_STREAM,
+    EVENTS_STREAM,
+    DEADLETTER_STREAM,
+];
+
+/// Every KV bucket `turnstile admin provision` creates.
+pub const ALL_BUCKETS: [&str; 8] = [
+    SESSIONS_BUCKET,
+    TURNS_BUCKET,
+    HOSTS_BUCKET,
+    EXECUTIONS_BUCKET,
+    DELIVERIES_BUCKET,
+    RUNS_BUCKET,
+    SCHEDULES_BUCKET,
+    SLOTS_BUCKET,
+];
+
 /// The priority group every lane consumer pins one session-lane replica to.
 pub const LANE_GROUP: &str = "lane";
 

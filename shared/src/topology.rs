@@ -63,6 +63,15 @@ pub enum TopologyError {
         name: String,
         source: async_nats::Error,
     },
+    #[error(
+        "open {what} {name}: {source} (is the topology provisioned? run `turnstile admin \
+         provision` against this NATS first)"
+    )]
+    Bind {
+        what: &'static str,
+        name: String,
+        source: async_nats::Error,
+    },
     #[error("create consumer {name} on {stream}: {source}")]
     Consumer {
         stream: String,
@@ -100,7 +109,42 @@ fn stream_config(
     }
 }
 
-/// Creates (or brings up to date) every stream and bucket; returns the buckets.
+/// Opens the provisioned topology without changing it: what a service does at start, so it
+/// needs no stream or bucket create, update or delete rights. An absent stream or bucket is a
+/// [`TopologyError::Bind`] naming it.
+pub async fn bind(js: &jetstream::Context) -> Result<Buckets, TopologyError> {
+    for name in subjects::ALL_STREAMS {
+        js.get_stream(name).await.map_err(|e| TopologyError::Bind {
+            what: "stream",
+            name: name.to_string(),
+            source: e.into(),
+        })?;
+    }
+    let open = |name: &'static str| async move {
+        js.get_key_value(name)
+            .await
+            .map(|store| crate::kv::Bucket::new(store, name))
+            .map_err(|e| TopologyError::Bind {
+                what: "kv bucket",
+                name: name.to_string(),
+                source: e.into(),
+            })
+    };
+    Ok(Buckets {
+        sessions: open(subjects::SESSIONS_BUCKET).await?,
+        turns: open(subjects::TURNS_BUCKET).await?,
+        hosts: open(subjects::HOSTS_BUCKET).await?,
+        executions: open(subjects::EXECUTIONS_BUCKET).await?,
+        deliveries: open(subjects::DELIVERIES_BUCKET).await?,
+        runs: open(subjects::RUNS_BUCKET).await?,
+        schedules: open(subjects::SCHEDULES_BUCKET).await?,
+        slots: open(subjects::SLOTS_BUCKET).await?,
+    })
+}
+
+/// Creates (or brings up to date) every stream and bucket; returns the buckets. Run with an
+/// identity that may manage streams (`turnstile admin provision`, `turnstile dev`); services
+/// only [`bind`].
 pub async fn provision(
     js: &jetstream::Context,
     cfg: &TopologyConfig,

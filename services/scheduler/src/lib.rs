@@ -59,8 +59,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         client,
         js,
         buckets,
-    } = turnstile_shared::config::start(&config.nats_url, &config.replica, &config.topology)
-        .await?;
+    } = turnstile_shared::config::start(&config.nats_url, &config.replica, &shutdown).await?;
     let ctx = Arc::new(Ctx {
         client,
         js,

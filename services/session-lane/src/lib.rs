@@ -94,8 +94,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         client,
         js,
         buckets,
-    } = turnstile_shared::config::start(&config.nats_url, &config.replica, &config.topology)
-        .await?;
+    } = turnstile_shared::config::start(&config.nats_url, &config.replica, &shutdown).await?;
     let turns = turn_watch::TurnWatch::start(buckets.turns.clone(), shutdown.child_token());
     let ctx = Arc::new(Ctx {
         client,

@@ -154,7 +154,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     } = turnstile_shared::config::start(
         &config.nats_url,
         &format!("transport-{}", config.host),
-        &config.topology,
+        &shutdown,
     )
     .await?;
     let mut adapters: HashMap<AgentKind, Arc<dyn Adapter>> = HashMap::new();

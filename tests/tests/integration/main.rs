@@ -10,6 +10,7 @@ mod hosts;
 mod house;
 mod lanes;
 mod mcp;
+mod provision;
 mod runs;
 mod schedules;
 mod stack;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use futures::StreamExt;
 use turnstile_shared::api::ErrorCode;
 use turnstile_shared::api::{self, CreateSession, SendTurn, SessionRef, SessionView};
@@ -43,24 +43,8 @@ impl Stack {
         hosts: &[&str],
         overrides: &[(&str, &str)],
     ) -> Result<Stack> {
-        turnstile_tests::init_tracing();
-        let nats = NatsServer::start().await?;
-        let client = nats.client().await?;
-        let js = async_nats::jetstream::new(client.clone());
-        let mut stack = Stack {
-            nats,
-            dir: tempfile::Builder::new().prefix("ts-it-").tempdir()?,
-            lanes: HashMap::new(),
-            transports: HashMap::new(),
-            brokers: HashMap::new(),
-            schedulers: HashMap::new(),
-            client,
-            js,
-            overrides: overrides
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-        };
+        let mut stack = Self::bare(overrides).await?;
+        stack.provision().await?;
         for r in replicas {
             stack.spawn_lane(r)?;
         }
@@ -73,6 +57,46 @@ impl Stack {
         Ok(stack)
     }
 
+    /// A nats-server and nothing else: not provisioned, no service started.
+    pub async fn bare(overrides: &[(&str, &str)]) -> Result<Stack> {
+        turnstile_tests::init_tracing();
+        let nats = NatsServer::start().await?;
+        let client = nats.client().await?;
+        let js = async_nats::jetstream::new(client.clone());
+        Ok(Stack {
+            nats,
+            dir: tempfile::Builder::new().prefix("ts-it-").tempdir()?,
+            lanes: HashMap::new(),
+            transports: HashMap::new(),
+            brokers: HashMap::new(),
+            schedulers: HashMap::new(),
+            client,
+            js,
+            overrides: overrides
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        })
+    }
+
+    /// The deployment's provisioning step, as an operator runs it: `turnstile admin provision`
+    /// with the same timings as the services (the hosts bucket's TTL is the host TTL).
+    pub async fn provision(&self) -> Result<()> {
+        let out = tokio::process::Command::new(bin_path("turnstile")?)
+            .args(["admin", "provision"])
+            .envs(self.env())
+            .output()
+            .await
+            .context("run turnstile admin provision")?;
+        ensure!(
+            out.status.success(),
+            "turnstile admin provision failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
     /// Waits (bounded) until every service's API answers, so a test's first call does not
     /// race a service still starting (any reply counts, an error reply too).
     pub async fn wait_serving(&self, lanes: bool) -> Result<()> {
@@ -81,7 +105,7 @@ impl Stack {
             apis.push(subj::SESSION_LIST);
         }
         for subject in apis {
-            turnstile_tests::wait_until(
+            wait_until(
                 &format!("{subject} to answer"),
                 Duration::from_secs(30),
                 || async move {
