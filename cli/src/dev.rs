@@ -44,6 +44,16 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
 
+    let client = async_nats::connect(&url)
+        .await
+        .context("connect to local NATS")?;
+    // The deployment's provisioning step (`turnstile admin provision`), before the services
+    // start: they only bind the topology.
+    let js = async_nats::jetstream::new(client.clone());
+    turnstile_shared::topology::provision(&js, &Default::default())
+        .await
+        .context("provision the topology")?;
+
     let mut lane = turnstile_session_lane::Config::new(url.clone());
     lane.replica = "dev".to_string();
     let host: HostName = "local".parse().context("host name")?;
@@ -78,14 +88,6 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
         }
     });
 
-    let client = async_nats::connect(&url)
-        .await
-        .context("connect to local NATS")?;
-    // Provision here too, so the event printer can open its stream before any service is up.
-    let js = async_nats::jetstream::new(client.clone());
-    turnstile_shared::topology::provision(&js, &Default::default())
-        .await
-        .context("provision the topology")?;
     println!(
         "services: session-lane, transport-agent (host local), notification-broker, scheduler"
     );
