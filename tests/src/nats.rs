@@ -67,6 +67,13 @@ pub struct NatsServer {
     name: String,
     store_dir: PathBuf,
     log_path: PathBuf,
+    /// A server configuration file (accounts, users, permissions); the flags above override
+    /// its address, port, store and monitoring port.
+    config: Option<PathBuf>,
+    /// Environment of the server process (a config's `$PASSWORD` variables).
+    env: Vec<(String, String)>,
+    /// The user the readiness probe and [`NatsServer::client`] connect as, with a config.
+    user: Option<(String, String)>,
     // Declared last: removed only after the child is gone.
     _dir: TempDir,
 }
@@ -74,6 +81,24 @@ pub struct NatsServer {
 impl NatsServer {
     /// Starts a server on a random free port and waits (≤ 10 s) until JetStream answers.
     pub async fn start() -> anyhow::Result<NatsServer> {
+        Self::start_inner(None, Vec::new(), None).await
+    }
+
+    /// Like [`NatsServer::start`], with a configuration file (e.g. the shipped
+    /// `deploy/nats-server.conf`), its environment, and the user to probe and connect as.
+    pub async fn start_with_config(
+        config: &Path,
+        env: Vec<(String, String)>,
+        user: (String, String),
+    ) -> anyhow::Result<NatsServer> {
+        Self::start_inner(Some(config.to_path_buf()), env, Some(user)).await
+    }
+
+    async fn start_inner(
+        config: Option<PathBuf>,
+        env: Vec<(String, String)>,
+        user: Option<(String, String)>,
+    ) -> anyhow::Result<NatsServer> {
         let bin = nats_server_bin()?;
         let dir = tempfile::Builder::new()
             .prefix("turnstile-nats-")
@@ -93,6 +118,9 @@ impl NatsServer {
             ),
             store_dir,
             log_path: dir.path().join("nats-server.log"),
+            config,
+            env,
+            user,
             _dir: dir,
         };
         // A fresh server may pick another port if the random one got taken meanwhile.
@@ -103,6 +131,11 @@ impl NatsServer {
     /// `nats://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// `nats://user:password@127.0.0.1:<port>`, for a service's own identity.
+    pub fn url_as(&self, user: &str, password: &str) -> String {
+        format!("nats://{user}:{password}@127.0.0.1:{}", self.port)
     }
 
     /// Client port (stable across restarts).
@@ -156,7 +189,7 @@ impl NatsServer {
     /// A client connected to this server that reconnects quickly (≤ 250 ms between attempts)
     /// after a kill/restart, so tests do not wait out the default multi-second backoff.
     pub async fn client(&self) -> anyhow::Result<async_nats::Client> {
-        async_nats::ConnectOptions::new()
+        with_user(async_nats::ConnectOptions::new(), &self.user)
             .connection_timeout(Duration::from_secs(2))
             .reconnect_delay_callback(|attempts| {
                 Duration::from_millis((attempts as u64 * 25).min(250))
@@ -211,7 +244,11 @@ impl NatsServer {
             ("-m", self.monitor_port.to_string()),
             ("-n", self.name.clone()),
         ];
-        let mut args = vec!["-js".to_string()];
+        let mut args = match &self.config {
+            Some(c) => vec!["-c".to_string(), c.display().to_string()],
+            None => Vec::new(),
+        };
+        args.push("-js".to_string());
         args.extend(
             pairs
                 .into_iter()
@@ -220,6 +257,7 @@ impl NatsServer {
         let (stdout, stderr) = open_log(&self.log_path, &self.bin, &args)?;
         Command::new(&self.bin)
             .args(&args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr)
@@ -251,7 +289,7 @@ impl NatsServer {
                 );
             }
             let budget = PROBE_TIMEOUT.min(deadline - now);
-            match tokio::time::timeout(budget, probe(&self.url(), &self.name)).await {
+            match tokio::time::timeout(budget, probe(&self.url(), &self.name, &self.user)).await {
                 Ok(Ok(())) => return Ok(Ok(child)),
                 Ok(Err(err)) => last_err = format!("{err:#}"),
                 Err(_) => last_err = format!("probe timed out after {budget:?}"),
@@ -269,10 +307,20 @@ impl Drop for NatsServer {
     }
 }
 
+fn with_user(
+    opts: async_nats::ConnectOptions,
+    user: &Option<(String, String)>,
+) -> async_nats::ConnectOptions {
+    match user {
+        Some((u, p)) => opts.user_and_password(u.clone(), p.clone()),
+        None => opts,
+    }
+}
+
 /// Ready means: a client connects to the server named `name` and the JetStream account info
 /// request succeeds.
-async fn probe(url: &str, name: &str) -> anyhow::Result<()> {
-    let client = async_nats::ConnectOptions::new()
+async fn probe(url: &str, name: &str, user: &Option<(String, String)>) -> anyhow::Result<()> {
+    let client = with_user(async_nats::ConnectOptions::new(), user)
         .connection_timeout(PROBE_TIMEOUT)
         .connect(url)
         .await?;
@@ -379,6 +427,9 @@ mod tests {
             name: "exits".to_string(),
             store_dir: dir.path().join("store"),
             log_path: dir.path().join("nats-server.log"),
+            config: None,
+            env: Vec::new(),
+            user: None,
             _dir: dir,
         };
         let started = Instant::now();

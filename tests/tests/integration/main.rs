@@ -5,6 +5,7 @@ mod adapters;
 mod bad_input;
 mod children;
 mod delivery;
+mod deployed;
 mod faults;
 mod hosts;
 mod house;

@@ -29,7 +29,19 @@ pub struct Stack {
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     overrides: Vec<(String, String)>,
+    /// With the shipped server config: each role's password (services, admin, cli).
+    passwords: HashMap<&'static str, String>,
 }
+
+/// The users of `deploy/nats-server.conf` and the variables holding their passwords.
+const DEPLOYED_USERS: [(&str, &str); 6] = [
+    ("session-lane", "TS_LANE_PASSWORD"),
+    ("transport-agent", "TS_TRANSPORT_PASSWORD"),
+    ("notification-broker", "TS_BROKER_PASSWORD"),
+    ("scheduler", "TS_SCHEDULER_PASSWORD"),
+    ("cli", "TS_CLI_PASSWORD"),
+    ("admin", "TS_ADMIN_PASSWORD"),
+];
 
 impl Stack {
     /// nats-server, the given session-lane replicas and transport hosts.
@@ -53,14 +65,60 @@ impl Stack {
         }
         stack.spawn_broker("b1")?;
         stack.spawn_scheduler("s1")?;
-        stack.wait_serving(!replicas.is_empty()).await?;
+        if let Err(e) = stack.wait_serving(!replicas.is_empty()).await {
+            bail!("{e:#}\n{}", stack.logs());
+        }
+        Ok(stack)
+    }
+
+    /// Like [`Stack::start`], on a nats-server running the shipped `deploy/nats-server.conf`:
+    /// every service, the provisioning and the test's own client (the `cli` user) connect as
+    /// their own users with their own permissions.
+    pub async fn start_deployed(replicas: &[&str], hosts: &[&str]) -> Result<Stack> {
+        let passwords: HashMap<&'static str, String> = DEPLOYED_USERS
+            .iter()
+            .map(|(user, _)| (*user, format!("pw-{}", uuid_like())))
+            .collect();
+        let env = DEPLOYED_USERS
+            .iter()
+            .map(|(user, var)| (var.to_string(), passwords[user].clone()))
+            .collect();
+        let config =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats-server.conf");
+        let nats = NatsServer::start_with_config(
+            &config,
+            env,
+            ("cli".to_string(), passwords["cli"].clone()),
+        )
+        .await?;
+        let mut stack = Self::assemble(nats, &[], passwords).await?;
+        stack.provision().await?;
+        for r in replicas {
+            stack.spawn_lane(r)?;
+        }
+        for h in hosts {
+            stack.spawn_transport(h)?;
+        }
+        stack.spawn_broker("b1")?;
+        stack.spawn_scheduler("s1")?;
+        if let Err(e) = stack.wait_serving(!replicas.is_empty()).await {
+            bail!("{e:#}\n{}", stack.logs());
+        }
         Ok(stack)
     }
 
     /// A nats-server and nothing else: not provisioned, no service started.
     pub async fn bare(overrides: &[(&str, &str)]) -> Result<Stack> {
-        turnstile_tests::init_tracing();
         let nats = NatsServer::start().await?;
+        Self::assemble(nats, overrides, HashMap::new()).await
+    }
+
+    async fn assemble(
+        nats: NatsServer,
+        overrides: &[(&str, &str)],
+        passwords: HashMap<&'static str, String>,
+    ) -> Result<Stack> {
+        turnstile_tests::init_tracing();
         let client = nats.client().await?;
         let js = async_nats::jetstream::new(client.clone());
         Ok(Stack {
@@ -76,7 +134,21 @@ impl Stack {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            passwords,
         })
+    }
+
+    /// The services' environment with `role`'s own NATS identity, when the stack has them.
+    fn env_as(&self, role: &str) -> Vec<(String, String)> {
+        let mut env = self.env();
+        if let Some(pw) = self.passwords.get(role) {
+            for (k, v) in env.iter_mut() {
+                if k == "TURNSTILE_NATS_URL" {
+                    *v = self.nats.url_as(role, pw);
+                }
+            }
+        }
+        env
     }
 
     /// The deployment's provisioning step, as an operator runs it: `turnstile admin provision`
@@ -84,7 +156,7 @@ impl Stack {
     pub async fn provision(&self) -> Result<()> {
         let out = tokio::process::Command::new(bin_path("turnstile")?)
             .args(["admin", "provision"])
-            .envs(self.env())
+            .envs(self.env_as("admin"))
             .output()
             .await
             .context("run turnstile admin provision")?;
@@ -160,7 +232,7 @@ impl Stack {
             self.dir.path(),
             "turnstile-session-lane",
             &["--replica".to_string(), replica.to_string()],
-            &self.env(),
+            &self.env_as("session-lane"),
             &format!("lane-{replica}"),
         )?;
         self.lanes.insert(replica.to_string(), p);
@@ -172,7 +244,7 @@ impl Stack {
             self.dir.path(),
             "turnstile-notification-broker",
             &["--replica".to_string(), replica.to_string()],
-            &self.env(),
+            &self.env_as("notification-broker"),
             &format!("broker-{replica}"),
         )?;
         self.brokers.insert(replica.to_string(), p);
@@ -184,7 +256,7 @@ impl Stack {
             self.dir.path(),
             "turnstile-scheduler",
             &["--replica".to_string(), replica.to_string()],
-            &self.env(),
+            &self.env_as("scheduler"),
             &format!("scheduler-{replica}"),
         )?;
         self.schedulers.insert(replica.to_string(), p);
@@ -213,7 +285,7 @@ impl Stack {
             self.dir.path(),
             "turnstile-transport-agent",
             &args,
-            &self.env(),
+            &self.env_as("transport-agent"),
             &format!("transport-{host}"),
         )?;
         self.transports.insert(host.to_string(), p);
@@ -862,4 +934,16 @@ impl Stack {
         .await
         .with_context(|| format!("run {run} never reached the awaited state"))?
     }
+}
+
+/// A fresh random token (for per-test passwords).
+fn uuid_like() -> String {
+    format!(
+        "{:x}{:x}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default()
+    )
 }
