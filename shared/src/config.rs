@@ -1,6 +1,7 @@
 //! Settings every binary takes the same way: where NATS is, and the topology timings, from
 //! flags or `TURNSTILE_*` environment variables.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -71,10 +72,48 @@ fn options(url: &str, name: &str) -> (String, async_nats::ConnectOptions) {
         }
         None => async_nats::ConnectOptions::new(),
     };
+    let who = name.to_string();
     (
         bare,
-        opts.name(name).connection_timeout(Duration::from_secs(5)),
+        opts.name(name)
+            .connection_timeout(Duration::from_secs(5))
+            .event_callback(move |event| {
+                let who = who.clone();
+                async move { log_event(&who, event) }
+            }),
     )
+}
+
+/// Subjects the server refused this process (publish or subscribe) since it started.
+static PERMISSION_REFUSALS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times the server refused this process a subject: a refusal is a deployment error
+/// (its identity lacks a permission it needs), never routine.
+pub fn permission_refusals() -> u64 {
+    PERMISSION_REFUSALS.load(Ordering::Relaxed)
+}
+
+/// Connection events: a permission the server refuses is an error (logged and counted);
+/// reconnects are worth a line; the rest is debug detail.
+fn log_event(who: &str, event: async_nats::Event) {
+    match event {
+        async_nats::Event::ServerError(e) if is_permission_error(&e.to_string()) => {
+            PERMISSION_REFUSALS.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(connection = who, error = %e, "NATS refused a permission");
+        }
+        async_nats::Event::ServerError(e) => {
+            tracing::warn!(connection = who, error = %e, "NATS server error")
+        }
+        async_nats::Event::Disconnected | async_nats::Event::Connected => {
+            tracing::info!(connection = who, %event, "NATS connection")
+        }
+        other => tracing::debug!(connection = who, event = %other, "NATS event"),
+    }
+}
+
+/// The server's permission refusals read `Permissions Violation for Publish to "…"`.
+pub fn is_permission_error(text: &str) -> bool {
+    text.to_ascii_lowercase().contains("permissions violation")
 }
 
 /// For services: reconnects forever, so a NATS restart is a pause, not an outage.

@@ -10,6 +10,10 @@ use turnstile_shared::records::TurnState;
 use turnstile_shared::runs::RunState;
 use turnstile_shared::schedules::SlotOutcome;
 
+use futures::StreamExt;
+use turnstile_shared::config::is_permission_error;
+use turnstile_shared::subjects;
+
 use crate::stack::{report, schedule, wait_deliveries, Stack};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,5 +79,55 @@ async fn whole_deployment(stack: &mut Stack) -> Result<()> {
         "the server refused:\n{}",
         refused.join("\n")
     );
+    Ok(())
+}
+
+/// The observer follows events and may publish nothing; a service may not delete a stream.
+/// Each refusal is the server's permission error, seen by the client that tried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deployed_users_are_refused_what_they_may_not_do() -> Result<()> {
+    let mut stack = Stack::start_deployed(&["a"], &["h1"]).await?;
+    let r = refusals(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn refused(
+    errors: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    subject: &str,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let e = tokio::time::timeout_at(deadline, errors.recv())
+            .await
+            .map_err(|_| anyhow::anyhow!("no permission error for {subject} within 10 s"))?
+            .ok_or_else(|| anyhow::anyhow!("connection closed"))?;
+        if is_permission_error(&e) && e.contains(subject) {
+            return Ok(());
+        }
+    }
+}
+
+async fn refusals(stack: &mut Stack) -> Result<()> {
+    let (observer, mut observer_errors) = stack.connect_as("observer").await?;
+    let mut events = observer.subscribe(subjects::EVENTS_ALL).await?;
+    observer.flush().await?;
+    stack.create_session("watched", None).await?;
+    tokio::time::timeout(Duration::from_secs(10), events.next())
+        .await
+        .map_err(|_| anyhow::anyhow!("the observer saw no event"))?;
+    observer.publish("ts.lane.forged", "x".into()).await?;
+    observer.flush().await?;
+    refused(&mut observer_errors, "ts.lane.forged").await?;
+
+    let (broker, mut broker_errors) = stack.connect_as("notification-broker").await?;
+    let js = async_nats::jetstream::new(broker);
+    let attempt = tokio::time::timeout(
+        Duration::from_secs(5),
+        js.delete_stream(subjects::LANE_STREAM),
+    )
+    .await;
+    ensure!(!matches!(attempt, Ok(Ok(_))), "the broker deleted a stream");
+    refused(&mut broker_errors, "$JS.API.STREAM.DELETE.TS_LANE").await?;
+    stack.js.get_stream(subjects::LANE_STREAM).await?;
     Ok(())
 }

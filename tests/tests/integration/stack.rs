@@ -34,13 +34,14 @@ pub struct Stack {
 }
 
 /// The users of `deploy/nats-server.conf` and the variables holding their passwords.
-const DEPLOYED_USERS: [(&str, &str); 6] = [
+const DEPLOYED_USERS: [(&str, &str); 7] = [
     ("session-lane", "TS_LANE_PASSWORD"),
     ("transport-agent", "TS_TRANSPORT_PASSWORD"),
     ("notification-broker", "TS_BROKER_PASSWORD"),
     ("scheduler", "TS_SCHEDULER_PASSWORD"),
     ("cli", "TS_CLI_PASSWORD"),
     ("admin", "TS_ADMIN_PASSWORD"),
+    ("observer", "TS_OBSERVER_PASSWORD"),
 ];
 
 impl Stack {
@@ -136,6 +137,35 @@ impl Stack {
                 .collect(),
             passwords,
         })
+    }
+
+    /// A client on `role`'s own user of the shipped config, and the server errors it receives
+    /// (where a permission refusal shows).
+    pub async fn connect_as(
+        &self,
+        role: &str,
+    ) -> Result<(
+        async_nats::Client,
+        tokio::sync::mpsc::UnboundedReceiver<String>,
+    )> {
+        let pw = self
+            .passwords
+            .get(role)
+            .with_context(|| format!("no user {role} in this stack"))?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let client = async_nats::ConnectOptions::with_user_and_password(role.into(), pw.clone())
+            .event_callback(move |event| {
+                let tx = tx.clone();
+                async move {
+                    if let async_nats::Event::ServerError(e) = event {
+                        let _ = tx.send(e.to_string());
+                    }
+                }
+            })
+            .connect(self.nats.url())
+            .await
+            .with_context(|| format!("connect as {role}"))?;
+        Ok((client, rx))
     }
 
     /// The services' environment with `role`'s own NATS identity, when the stack has them.
