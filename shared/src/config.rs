@@ -72,6 +72,7 @@ fn options(url: &str, name: &str) -> (String, async_nats::ConnectOptions) {
         }
         None => async_nats::ConnectOptions::new(),
     };
+    let opts = with_tls(opts, &tls_env());
     let who = name.to_string();
     (
         bare,
@@ -82,6 +83,38 @@ fn options(url: &str, name: &str) -> (String, async_nats::ConnectOptions) {
                 async move { log_event(&who, event) }
             }),
     )
+}
+
+/// The CA file that signs the server's certificate: set, every connection requires TLS.
+pub const TLS_CA_ENV: &str = "TURNSTILE_TLS_CA";
+/// A client certificate and its key, for servers that verify clients.
+pub const TLS_CERT_ENV: &str = "TURNSTILE_TLS_CERT";
+pub const TLS_KEY_ENV: &str = "TURNSTILE_TLS_KEY";
+
+/// The TLS settings of this process's environment, as (variable, value): what every binary
+/// connects with, and what the transport hands on to the agents it launches.
+pub fn tls_env() -> Vec<(&'static str, String)> {
+    [TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV]
+        .into_iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (k, v)))
+        .filter(|(_, v)| !v.is_empty())
+        .collect()
+}
+
+/// Applies TLS settings: a CA makes TLS required; a certificate and key are presented to a
+/// server that verifies clients. A `tls://` URL also requires TLS.
+pub fn with_tls(
+    mut opts: async_nats::ConnectOptions,
+    tls: &[(&'static str, String)],
+) -> async_nats::ConnectOptions {
+    let get = |k: &str| tls.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+    if let Some(ca) = get(TLS_CA_ENV) {
+        opts = opts.add_root_certificates(ca.into()).require_tls(true);
+    }
+    if let (Some(cert), Some(key)) = (get(TLS_CERT_ENV), get(TLS_KEY_ENV)) {
+        opts = opts.add_client_certificate(cert.into(), key.into());
+    }
+    opts
 }
 
 /// Subjects the server refused this process (publish or subscribe) since it started.

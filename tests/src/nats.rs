@@ -74,6 +74,8 @@ pub struct NatsServer {
     env: Vec<(String, String)>,
     /// The user the readiness probe and [`NatsServer::client`] connect as, with a config.
     user: Option<(String, String)>,
+    /// TLS files the probe and [`NatsServer::client`] connect with (`TURNSTILE_TLS_*` names).
+    tls: Vec<(&'static str, String)>,
     // Declared last: removed only after the child is gone.
     _dir: TempDir,
 }
@@ -81,7 +83,7 @@ pub struct NatsServer {
 impl NatsServer {
     /// Starts a server on a random free port and waits (≤ 10 s) until JetStream answers.
     pub async fn start() -> anyhow::Result<NatsServer> {
-        Self::start_inner(None, Vec::new(), None).await
+        Self::start_inner(None, Vec::new(), None, Vec::new()).await
     }
 
     /// Like [`NatsServer::start`], with a configuration file (e.g. the shipped
@@ -89,15 +91,17 @@ impl NatsServer {
     pub async fn start_with_config(
         config: &Path,
         env: Vec<(String, String)>,
-        user: (String, String),
+        user: Option<(String, String)>,
+        tls: Vec<(&'static str, String)>,
     ) -> anyhow::Result<NatsServer> {
-        Self::start_inner(Some(config.to_path_buf()), env, Some(user)).await
+        Self::start_inner(Some(config.to_path_buf()), env, user, tls).await
     }
 
     async fn start_inner(
         config: Option<PathBuf>,
         env: Vec<(String, String)>,
         user: Option<(String, String)>,
+        tls: Vec<(&'static str, String)>,
     ) -> anyhow::Result<NatsServer> {
         let bin = nats_server_bin()?;
         let dir = tempfile::Builder::new()
@@ -121,6 +125,7 @@ impl NatsServer {
             config,
             env,
             user,
+            tls,
             _dir: dir,
         };
         // A fresh server may pick another port if the random one got taken meanwhile.
@@ -189,7 +194,7 @@ impl NatsServer {
     /// A client connected to this server that reconnects quickly (≤ 250 ms between attempts)
     /// after a kill/restart, so tests do not wait out the default multi-second backoff.
     pub async fn client(&self) -> anyhow::Result<async_nats::Client> {
-        with_user(async_nats::ConnectOptions::new(), &self.user)
+        with_user(async_nats::ConnectOptions::new(), &self.user, &self.tls)
             .connection_timeout(Duration::from_secs(2))
             .reconnect_delay_callback(|attempts| {
                 Duration::from_millis((attempts as u64 * 25).min(250))
@@ -289,7 +294,12 @@ impl NatsServer {
                 );
             }
             let budget = PROBE_TIMEOUT.min(deadline - now);
-            match tokio::time::timeout(budget, probe(&self.url(), &self.name, &self.user)).await {
+            match tokio::time::timeout(
+                budget,
+                probe(&self.url(), &self.name, &self.user, &self.tls),
+            )
+            .await
+            {
                 Ok(Ok(())) => return Ok(Ok(child)),
                 Ok(Err(err)) => last_err = format!("{err:#}"),
                 Err(_) => last_err = format!("probe timed out after {budget:?}"),
@@ -310,7 +320,9 @@ impl Drop for NatsServer {
 fn with_user(
     opts: async_nats::ConnectOptions,
     user: &Option<(String, String)>,
+    tls: &[(&'static str, String)],
 ) -> async_nats::ConnectOptions {
+    let opts = turnstile_shared::config::with_tls(opts, tls);
     match user {
         Some((u, p)) => opts.user_and_password(u.clone(), p.clone()),
         None => opts,
@@ -319,8 +331,13 @@ fn with_user(
 
 /// Ready means: a client connects to the server named `name` and the JetStream account info
 /// request succeeds.
-async fn probe(url: &str, name: &str, user: &Option<(String, String)>) -> anyhow::Result<()> {
-    let client = with_user(async_nats::ConnectOptions::new(), user)
+async fn probe(
+    url: &str,
+    name: &str,
+    user: &Option<(String, String)>,
+    tls: &[(&'static str, String)],
+) -> anyhow::Result<()> {
+    let client = with_user(async_nats::ConnectOptions::new(), user, tls)
         .connection_timeout(PROBE_TIMEOUT)
         .connect(url)
         .await?;
@@ -430,6 +447,7 @@ mod tests {
             config: None,
             env: Vec::new(),
             user: None,
+            tls: Vec::new(),
             _dir: dir,
         };
         let started = Instant::now();

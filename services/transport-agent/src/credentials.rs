@@ -37,11 +37,13 @@ impl SessionFiles {
                 .mode(0o700)
                 .create(dir)?;
         }
-        let vars = [
-            ("TURNSTILE_SESSION", spec.id.as_str()),
-            ("TURNSTILE_TOKEN", spec.token.as_str()),
-            ("TURNSTILE_NATS_URL", nats_url),
+        let mut vars = vec![
+            ("TURNSTILE_SESSION", spec.id.to_string()),
+            ("TURNSTILE_TOKEN", spec.token.clone()),
+            ("TURNSTILE_NATS_URL", nats_url.to_string()),
         ];
+        // The agent's tools connect the way this transport does (TLS files, not keys).
+        vars.extend(turnstile_shared::config::tls_env());
         let mut env: String = vars
             .iter()
             .map(|(k, v)| format!("{k}={}\n", shell_quote(v)))
@@ -53,7 +55,7 @@ impl SessionFiles {
         private_file(&self.env, env.as_bytes())?;
         let servers: serde_json::Map<String, serde_json::Value> = vars
             .iter()
-            .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+            .map(|(k, v)| (k.to_string(), serde_json::Value::from(v.as_str())))
             .collect();
         let mcp = serde_json::json!({
             "mcpServers": {

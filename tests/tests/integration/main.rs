@@ -16,3 +16,4 @@ mod runs;
 mod schedules;
 mod stack;
 mod stop;
+mod tls;

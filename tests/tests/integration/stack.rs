@@ -31,6 +31,8 @@ pub struct Stack {
     overrides: Vec<(String, String)>,
     /// With the shipped server config: each role's password (services, admin, cli).
     passwords: HashMap<&'static str, String>,
+    /// A TLS stack's certificates, removed with the stack.
+    certs: Option<tempfile::TempDir>,
 }
 
 /// The users of `deploy/nats-server.conf` and the variables holding their passwords.
@@ -89,7 +91,8 @@ impl Stack {
         let nats = NatsServer::start_with_config(
             &config,
             env,
-            ("cli".to_string(), passwords["cli"].clone()),
+            Some(("cli".to_string(), passwords["cli"].clone())),
+            Vec::new(),
         )
         .await?;
         let mut stack = Self::assemble(nats, &[], passwords).await?;
@@ -136,7 +139,36 @@ impl Stack {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             passwords,
+            certs: None,
         })
+    }
+
+    /// Like [`Stack::start`], on a nats-server that requires TLS and verifies clients, with a
+    /// CA, server and client certificates made for this test (`openssl`). Every service, the
+    /// provisioning, the agents' tools and the test's client connect with `TURNSTILE_TLS_*`.
+    pub async fn start_tls(replicas: &[&str], hosts: &[&str]) -> Result<Stack> {
+        let certs = tempfile::Builder::new().prefix("ts-tls-").tempdir()?;
+        let files = crate::tls::make_certificates(certs.path())?;
+        let conf = certs.path().join("tls.conf");
+        std::fs::write(&conf, crate::tls::server_config(&files))?;
+        let tls = files.client_env();
+        let nats = NatsServer::start_with_config(&conf, Vec::new(), None, tls.clone()).await?;
+        let overrides: Vec<(&str, &str)> = tls.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut stack = Self::assemble(nats, &overrides, HashMap::new()).await?;
+        stack.certs = Some(certs);
+        stack.provision().await?;
+        for r in replicas {
+            stack.spawn_lane(r)?;
+        }
+        for h in hosts {
+            stack.spawn_transport(h)?;
+        }
+        stack.spawn_broker("b1")?;
+        stack.spawn_scheduler("s1")?;
+        if let Err(e) = stack.wait_serving(!replicas.is_empty()).await {
+            bail!("{e:#}\n{}", stack.logs());
+        }
+        Ok(stack)
     }
 
     /// A client on `role`'s own user of the shipped config, and the server errors it receives
@@ -166,6 +198,13 @@ impl Stack {
             .await
             .with_context(|| format!("connect as {role}"))?;
         Ok((client, rx))
+    }
+
+    /// The CA file of a TLS stack.
+    pub fn tls_ca(&self) -> Option<String> {
+        self.certs
+            .as_ref()
+            .map(|d| d.path().join("ca.pem").to_string_lossy().into_owned())
     }
 
     /// The services' environment with `role`'s own NATS identity, when the stack has them.
