@@ -6,7 +6,6 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
-use turnstile_shared::records::TurnState;
 use turnstile_shared::runs::RunState;
 use turnstile_shared::schedules::SlotOutcome;
 
@@ -14,7 +13,7 @@ use futures::StreamExt;
 use turnstile_shared::config::is_permission_error;
 use turnstile_shared::subjects;
 
-use crate::stack::{report, schedule, wait_deliveries, Stack};
+use crate::stack::{report, schedule, Stack};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_server_config_serves_every_service_on_its_own_user() -> Result<()> {
@@ -27,22 +26,7 @@ async fn whole_deployment(stack: &mut Stack) -> Result<()> {
     let s = stack.create_session("deployed", None).await?;
     // A turn whose agent starts a step (with the credentials its terminal got), and the
     // step's result handed back in a delivery turn.
-    let turn = stack
-        .send(&s, "start the build\n!step build 500ms\n!sleep 1s")
-        .await?;
-    let rec = stack.wait_turn(&turn, Duration::from_secs(30)).await?;
-    ensure!(
-        matches!(rec.state, TurnState::Completed { .. }),
-        "turn: {:?}",
-        rec.state
-    );
-    let deliveries = wait_deliveries(stack, &s, 1, Duration::from_secs(30)).await?;
-    ensure!(
-        deliveries
-            .iter()
-            .any(|d| matches!(d.state, TurnState::Completed { .. }) && d.text.contains("build")),
-        "the step's result was not handed over: {deliveries:?}"
-    );
+    stack.turn_with_a_step_handed_back(&s).await?;
     // A run (session-lane, with the broker's tree) and a schedule (the scheduler fires runs).
     let run = stack.start_run(&s, &["!reply in a run"], None).await?;
     let done = stack.wait_run(&run.id, Duration::from_secs(30)).await?;

@@ -59,18 +59,7 @@ impl Stack {
         overrides: &[(&str, &str)],
     ) -> Result<Stack> {
         let mut stack = Self::bare(overrides).await?;
-        stack.provision().await?;
-        for r in replicas {
-            stack.spawn_lane(r)?;
-        }
-        for h in hosts {
-            stack.spawn_transport(h)?;
-        }
-        stack.spawn_broker("b1")?;
-        stack.spawn_scheduler("s1")?;
-        if let Err(e) = stack.wait_serving(!replicas.is_empty()).await {
-            bail!("{e:#}\n{}", stack.logs());
-        }
+        stack.deploy(replicas, hosts).await?;
         Ok(stack)
     }
 
@@ -96,19 +85,52 @@ impl Stack {
         )
         .await?;
         let mut stack = Self::assemble(nats, &[], passwords).await?;
-        stack.provision().await?;
+        stack.deploy(replicas, hosts).await?;
+        Ok(stack)
+    }
+
+    /// What a deployment does on a fresh server: provision, start the session-lane replicas,
+    /// the transport hosts, one broker and one scheduler, and wait until they all serve.
+    async fn deploy(&mut self, replicas: &[&str], hosts: &[&str]) -> Result<()> {
+        self.provision().await?;
         for r in replicas {
-            stack.spawn_lane(r)?;
+            self.spawn_lane(r)?;
         }
         for h in hosts {
-            stack.spawn_transport(h)?;
+            self.spawn_transport(h)?;
         }
-        stack.spawn_broker("b1")?;
-        stack.spawn_scheduler("s1")?;
-        if let Err(e) = stack.wait_serving(!replicas.is_empty()).await {
-            bail!("{e:#}\n{}", stack.logs());
+        self.spawn_broker("b1")?;
+        self.spawn_scheduler("s1")?;
+        if let Err(e) = self.wait_serving(!replicas.is_empty()).await {
+            bail!("{e:#}\n{}", self.logs());
         }
-        Ok(stack)
+        Ok(())
+    }
+
+    /// A turn whose agent starts a step with its own tools, run to its end, and the step's
+    /// result handed back in a delivery turn: the whole path through every service.
+    pub async fn turn_with_a_step_handed_back(&self, session: &SessionId) -> Result<()> {
+        let turn = self
+            .send(session, "start the build\n!step build 300ms\n!sleep 1s")
+            .await?;
+        let rec = self.wait_turn(&turn, Duration::from_secs(30)).await?;
+        anyhow::ensure!(
+            matches!(
+                rec.state,
+                turnstile_shared::records::TurnState::Completed { .. }
+            ),
+            "turn: {:?}",
+            rec.state
+        );
+        let deliveries = wait_deliveries(self, session, 1, Duration::from_secs(30)).await?;
+        anyhow::ensure!(
+            deliveries.iter().any(|d| matches!(
+                d.state,
+                turnstile_shared::records::TurnState::Completed { .. }
+            ) && d.text.contains("build")),
+            "the step's result was not handed over: {deliveries:?}"
+        );
+        Ok(())
     }
 
     /// A nats-server and nothing else: not provisioned, no service started.
@@ -156,18 +178,7 @@ impl Stack {
         let overrides: Vec<(&str, &str)> = tls.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let mut stack = Self::assemble(nats, &overrides, HashMap::new()).await?;
         stack.certs = Some(certs);
-        stack.provision().await?;
-        for r in replicas {
-            stack.spawn_lane(r)?;
-        }
-        for h in hosts {
-            stack.spawn_transport(h)?;
-        }
-        stack.spawn_broker("b1")?;
-        stack.spawn_scheduler("s1")?;
-        if let Err(e) = stack.wait_serving(!replicas.is_empty()).await {
-            bail!("{e:#}\n{}", stack.logs());
-        }
+        stack.deploy(replicas, hosts).await?;
         Ok(stack)
     }
 

@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use turnstile_shared::config::{with_tls, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV};
-use turnstile_shared::records::TurnState;
 
-use crate::stack::{report, wait_deliveries, Stack};
+use crate::stack::{report, Stack};
 
 pub struct Files {
     pub ca: PathBuf,
@@ -134,16 +133,7 @@ async fn over_tls(stack: &mut Stack) -> Result<()> {
     // A turn whose agent starts a step with its tools (TLS settings from its env file), and
     // the step's result handed back.
     let s = stack.create_session("tls", None).await?;
-    let turn = stack
-        .send(&s, "build over tls\n!step build 300ms\n!sleep 1s")
-        .await?;
-    let rec = stack.wait_turn(&turn, Duration::from_secs(30)).await?;
-    ensure!(
-        matches!(rec.state, TurnState::Completed { .. }),
-        "turn: {:?}",
-        rec.state
-    );
-    wait_deliveries(stack, &s, 1, Duration::from_secs(30)).await?;
+    stack.turn_with_a_step_handed_back(&s).await?;
     // An agent launched with an MCP config (claude) gets the TLS settings there too, not only
     // through its terminal's environment.
     let mcp = stack
