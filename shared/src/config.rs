@@ -127,20 +127,21 @@ pub fn permission_refusals() -> u64 {
 }
 
 /// Connection events: a permission the server refuses is an error (logged and counted);
-/// reconnects are worth a line; the rest is debug detail.
+/// connection changes are worth an info line; anything else that goes wrong a warning.
 fn log_event(who: &str, event: async_nats::Event) {
     match event {
         async_nats::Event::ServerError(e) if is_permission_error(&e.to_string()) => {
             PERMISSION_REFUSALS.fetch_add(1, Ordering::Relaxed);
             tracing::error!(connection = who, error = %e, "NATS refused a permission");
         }
-        async_nats::Event::ServerError(e) => {
-            tracing::warn!(connection = who, error = %e, "NATS server error")
-        }
-        async_nats::Event::Disconnected | async_nats::Event::Connected => {
+        async_nats::Event::Connected
+        | async_nats::Event::Disconnected
+        | async_nats::Event::Draining
+        | async_nats::Event::Closed => {
             tracing::info!(connection = who, %event, "NATS connection")
         }
-        other => tracing::debug!(connection = who, event = %other, "NATS event"),
+        // Other server errors, client errors, slow consumers, lame-duck mode.
+        other => tracing::warn!(connection = who, event = %other, "NATS event"),
     }
 }
 
@@ -177,8 +178,6 @@ pub enum StartError {
         url: String,
         source: async_nats::ConnectError,
     },
-    #[error(transparent)]
-    Topology(#[from] crate::topology::TopologyError),
     #[error("stopped while waiting for the topology")]
     Cancelled,
 }

@@ -155,6 +155,28 @@ impl Bucket {
         self.modify_from(key, None, f).await
     }
 
+    /// Edits an existing record in place with `f` (compare-and-set, retried on conflict); writes
+    /// only if `f` changed it. Returns the record stored afterwards, `None` if there is none.
+    pub async fn edit<T, F>(&self, key: &str, f: F) -> Result<Option<T>, KvError>
+    where
+        T: Serialize + DeserializeOwned + Clone + PartialEq,
+        F: Fn(&mut T),
+    {
+        self.modify::<T, _>(key, |cur| match cur {
+            Some(r) => {
+                let mut next = r.clone();
+                f(&mut next);
+                if next == *r {
+                    Change::Keep
+                } else {
+                    Change::Write(next)
+                }
+            }
+            None => Change::Keep,
+        })
+        .await
+    }
+
     /// Like [`Bucket::modify`], starting from a value and revision the caller already holds
     /// (saving a read on the hot path); falls back to reading on a conflict.
     pub async fn modify_from<T, F>(

@@ -142,13 +142,10 @@ pub async fn bind(js: &jetstream::Context) -> Result<Buckets, TopologyError> {
     })
 }
 
-/// Creates (or brings up to date) every stream and bucket; returns the buckets. Run with an
+/// Creates (or brings up to date) every stream and bucket. Run with an
 /// identity that may manage streams (`turnstile admin provision`, `turnstile dev`); services
 /// only [`bind`].
-pub async fn provision(
-    js: &jetstream::Context,
-    cfg: &TopologyConfig,
-) -> Result<Buckets, TopologyError> {
+pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<(), TopologyError> {
     use stream::RetentionPolicy::{Limits, WorkQueue};
     let mut streams = vec![
         stream_config(subjects::LANE_STREAM, &[subjects::LANE_ALL], WorkQueue),
@@ -192,7 +189,6 @@ pub async fn provision(
         storage: stream::StorageType::File,
         ..Default::default()
     };
-    let mut opened = Vec::new();
     for config in [
         bucket(subjects::SESSIONS_BUCKET, Duration::ZERO),
         bucket(subjects::TURNS_BUCKET, Duration::ZERO),
@@ -204,30 +200,14 @@ pub async fn provision(
         bucket(subjects::SLOTS_BUCKET, Duration::ZERO),
     ] {
         let name = config.bucket.clone();
-        let store =
-            js.create_or_update_key_value(config)
-                .await
-                .map_err(|e| TopologyError::Bucket {
-                    name: name.clone(),
-                    source: e.into(),
-                })?;
-        opened.push(crate::kv::Bucket::new(store, &name));
+        js.create_or_update_key_value(config)
+            .await
+            .map_err(|e| TopologyError::Bucket {
+                name,
+                source: e.into(),
+            })?;
     }
-    match <[crate::kv::Bucket; 8]>::try_from(opened) {
-        Ok([sessions, turns, hosts, executions, deliveries, runs, schedules, slots]) => {
-            Ok(Buckets {
-                sessions,
-                turns,
-                hosts,
-                executions,
-                deliveries,
-                runs,
-                schedules,
-                slots,
-            })
-        }
-        Err(_) => unreachable!("eight buckets were opened above"),
-    }
+    Ok(())
 }
 
 /// A session's exclusive lane consumer: one item in flight, pinned to one replica (R1).

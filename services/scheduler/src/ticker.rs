@@ -13,7 +13,6 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ApiError};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, EventKind};
-use turnstile_shared::kv::Change;
 use turnstile_shared::runs::{RunRecord, StartRun};
 use turnstile_shared::schedules::{slot_key, slot_run, ScheduleRecord, SlotOutcome, SlotRecord};
 use turnstile_shared::{subjects, RunId};
@@ -271,18 +270,7 @@ pub(crate) async fn update(
     let next = ctx
         .buckets
         .schedules
-        .modify::<ScheduleRecord, _>(name, |cur| match cur {
-            Some(r) => {
-                let mut n = r.clone();
-                f(&mut n);
-                if n == *r {
-                    Change::Keep
-                } else {
-                    Change::Write(n)
-                }
-            }
-            None => Change::Keep,
-        })
+        .edit::<ScheduleRecord, _>(name, f)
         .await?;
     next.ok_or_else(|| TickError::Api(ApiError::not_found(format!("no schedule {name}"))))
 }

@@ -10,7 +10,7 @@ use turnstile_shared::runs::RunState;
 use turnstile_shared::schedules::SlotOutcome;
 
 use futures::StreamExt;
-use turnstile_shared::config::is_permission_error;
+use turnstile_shared::config::{connect_once, is_permission_error, permission_refusals};
 use turnstile_shared::subjects;
 
 use crate::stack::{report, schedule, Stack};
@@ -102,6 +102,21 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
     observer.publish("ts.lane.forged", "x".into()).await?;
     observer.flush().await?;
     refused(&mut observer_errors, "ts.lane.forged").await?;
+    // Through the connection every service makes, a refusal is logged as an error and counted.
+    let before = permission_refusals();
+    let service_way = connect_once(
+        &stack.nats.url_as("observer", &stack.password("observer")?),
+        "probe",
+    )
+    .await?;
+    service_way.publish("ts.lane.forged", "x".into()).await?;
+    service_way.flush().await?;
+    turnstile_tests::wait_until(
+        "the refusal to be counted",
+        Duration::from_secs(10),
+        || async { Ok((permission_refusals() > before).then_some(())) },
+    )
+    .await?;
 
     let (broker, mut broker_errors) = stack.connect_as("notification-broker").await?;
     let js = async_nats::jetstream::new(broker);

@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use turnstile_shared::api::{self, ErrorCode, ListSessions};
 use turnstile_shared::records::TurnState;
 use turnstile_shared::subjects::api as subj;
 use turnstile_tests::wait_until;
 
-use crate::stack::{report, Stack, API};
+use crate::stack::{report, signal, Stack, API};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn services_started_before_provisioning_wait_for_it_then_serve() -> Result<()> {
@@ -50,6 +50,12 @@ async fn provision_late(stack: &mut Stack) -> Result<()> {
         matches!(&before, Err(e) if e.code == ErrorCode::Unavailable),
         "no session API before provisioning: {before:?}"
     );
+    // Nothing lingers (R13): a service waiting for the topology stops on SIGTERM.
+    let waiting = stack.schedulers.get_mut("s1").context("s1")?;
+    let pid = waiting.pid().context("scheduler pid")?;
+    signal(pid, rustix::process::Signal::TERM)?;
+    waiting.wait_exit(Duration::from_secs(10)).await?;
+    stack.spawn_scheduler("s2")?;
     stack.provision().await?;
     stack.provision().await?;
     stack.wait_serving(true).await?;

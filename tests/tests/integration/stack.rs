@@ -69,7 +69,7 @@ impl Stack {
     pub async fn start_deployed(replicas: &[&str], hosts: &[&str]) -> Result<Stack> {
         let passwords: HashMap<&'static str, String> = DEPLOYED_USERS
             .iter()
-            .map(|(user, _)| (*user, format!("pw-{}", uuid_like())))
+            .map(|(user, _)| (*user, turnstile_shared::ids::new_secret()))
             .collect();
         let env = DEPLOYED_USERS
             .iter()
@@ -209,6 +209,14 @@ impl Stack {
             .await
             .with_context(|| format!("connect as {role}"))?;
         Ok((client, rx))
+    }
+
+    /// `role`'s password in a stack on the shipped config.
+    pub fn password(&self, role: &str) -> Result<String> {
+        self.passwords
+            .get(role)
+            .cloned()
+            .with_context(|| format!("no user {role} in this stack"))
     }
 
     /// The CA file of a TLS stack.
@@ -1014,16 +1022,4 @@ impl Stack {
         .await
         .with_context(|| format!("run {run} never reached the awaited state"))?
     }
-}
-
-/// A fresh random token (for per-test passwords).
-fn uuid_like() -> String {
-    format!(
-        "{:x}{:x}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default()
-    )
 }

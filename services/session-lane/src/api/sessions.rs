@@ -127,18 +127,10 @@ pub(super) async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionR
         .create(record.id.as_str(), &record)
         .await
         .map_err(ApiError::internal)?;
-    let start = Envelope::new(
-        transport_kind::START,
-        &StartCommand {
-            session: record.id.clone(),
-        },
-    )
-    .map_err(ApiError::internal)?
-    .with_session(&record.id)
-    .with_id(format!("{}:start", record.id));
-    events::publish_durable(&ctx.js, subjects::transport(&host, "start"), &start, None)
-        .await
-        .map_err(ApiError::internal)?;
+    let start = StartCommand {
+        session: record.id.clone(),
+    };
+    command(&ctx, &host, &record.id, Verb::Start, &start).await?;
     let ev = session_event(
         EventKind::SessionCreated,
         &record.id,
@@ -244,23 +236,10 @@ pub(super) async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord
         .await
         .map_err(ApiError::internal)?
         .ok_or_else(|| ApiError::not_found(format!("no session {}", req.session)))?;
-    let stop = Envelope::new(
-        transport_kind::STOP,
-        &StopCommand {
-            session: record.id.clone(),
-        },
-    )
-    .map_err(ApiError::internal)?
-    .with_session(&record.id)
-    .with_id(format!("{}:stop", record.id));
-    events::publish_durable(
-        &ctx.js,
-        subjects::transport(&record.host, "stop"),
-        &stop,
-        None,
-    )
-    .await
-    .map_err(ApiError::internal)?;
+    let stop = StopCommand {
+        session: record.id.clone(),
+    };
+    command(&ctx, &record.host, &record.id, Verb::Stop, &stop).await?;
     drain_lane(&ctx, &record.id).await?;
     ctx.forget_completion_consumer(&record.id);
     let ev = session_event(EventKind::SessionStopped, &record.id, None, &json!({}))
@@ -468,4 +447,33 @@ pub(super) async fn hosts(
             host: h,
         })
         .collect())
+}
+
+/// The session commands this API sends a host's transport agent.
+#[derive(Clone, Copy)]
+enum Verb {
+    Start,
+    Stop,
+}
+
+/// Sends a session command to its host's transport, de-duplicated per session and verb, and
+/// waits for the stream's acknowledgement (R14).
+async fn command<T: serde::Serialize>(
+    ctx: &Ctx,
+    host: &HostName,
+    session: &SessionId,
+    verb: Verb,
+    payload: &T,
+) -> Result<(), ApiError> {
+    let (kind, name) = match verb {
+        Verb::Start => (transport_kind::START, "start"),
+        Verb::Stop => (transport_kind::STOP, "stop"),
+    };
+    let env = Envelope::new(kind, payload)
+        .map_err(ApiError::internal)?
+        .with_session(session)
+        .with_id(format!("{session}:{name}"));
+    events::publish_durable(&ctx.js, subjects::transport(host, name), &env, None)
+        .await
+        .map_err(ApiError::internal)
 }

@@ -301,18 +301,7 @@ impl Driver<'_> {
             .ctx
             .buckets
             .runs
-            .modify::<RunRecord, _>(self.run.id.as_str(), |cur| match cur {
-                Some(r) => {
-                    let mut n = r.clone();
-                    f(&mut n);
-                    if n == *r {
-                        Change::Keep
-                    } else {
-                        Change::Write(n)
-                    }
-                }
-                None => Change::Keep,
-            })
+            .edit::<RunRecord, _>(self.run.id.as_str(), f)
             .await?
             .ok_or(DriveError::Gone)?;
         self.run = next;
