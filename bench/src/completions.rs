@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 use turnstile_shared::events::EventKind;
+use turnstile_shared::principal::Principal;
 
 use anyhow::{bail, Context, Result};
 use chrono::Utc;
@@ -73,7 +74,8 @@ pub async fn measure(nats: &turnstile_tests::NatsServer, n: usize) -> Result<ser
             },
             id: None,
         };
-        let _: ExecutionRecord = api::call(&client, subj::STEPS_START, &req, CALL).await?;
+        let subject = Principal::of(&caller).steps(subj::START);
+        let _: ExecutionRecord = api::call(&client, &subject, &req, CALL).await?;
     }
     // Take the work as an external worker would.
     let consumer =
@@ -179,7 +181,8 @@ async fn report(client: &async_nats::Client, item: &StepWorkItem, report: Report
         token: item.token.clone(),
         report,
     };
-    let _: ReportAck = api::call(client, subj::STEPS_REPORT, &req, CALL).await?;
+    let subject = Principal::Step(item.step.clone()).steps(subj::REPORT);
+    let _: ReportAck = api::call(client, &subject, &req, CALL).await?;
     Ok(())
 }
 

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Subcommand;
 use turnstile_shared::api;
 use turnstile_shared::execution::{ExecutionRecord, Scope};
+use turnstile_shared::principal::{self, Principal};
 use turnstile_shared::step_api::{
     Caller, Cancelled, ExecRef, ListSteps, StartStep, StepKind, StepStatus, TreeNode,
 };
@@ -89,7 +90,10 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
     {
         return crate::worker::run(url, queue, once, command).await;
     }
-    let client = turnstile_shared::config::connect_once(url, "turnstile-step").await?;
+    // Every step command acts for the caller; its connection is made as the caller too.
+    let caller = caller()?;
+    let client = principal::connect(url, "turnstile-step", Some(&caller)).await?;
+    let principal = Principal::of(&caller);
     match cmd {
         StepCommand::Start {
             name,
@@ -126,7 +130,6 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
                     anyhow::bail!("unknown step kind {other:?} (known: command, external, agent)")
                 }
             };
-            let caller = caller()?;
             let names: Vec<String> = if count == 1 {
                 vec![name]
             } else {
@@ -144,14 +147,9 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
                         id: Some(StepId::new()),
                     };
                     let client = client.clone();
+                    let subject = principal.steps(subj::START);
                     async move {
-                        api::call::<_, ExecutionRecord>(
-                            &client,
-                            subj::STEPS_START,
-                            &req,
-                            API_TIMEOUT,
-                        )
-                        .await
+                        api::call::<_, ExecutionRecord>(&client, &subject, &req, API_TIMEOUT).await
                     }
                 });
                 for r in futures::future::join_all(calls).await {
@@ -167,12 +165,9 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
             }
         }
         StepCommand::Status { id, json } => {
-            let req = StepStatus {
-                caller: caller()?,
-                step: id,
-            };
-            let rec: ExecutionRecord =
-                api::call(&client, subj::STEPS_STATUS, &req, API_TIMEOUT).await?;
+            let req = StepStatus { caller, step: id };
+            let subject = principal.steps(subj::STATUS);
+            let rec: ExecutionRecord = api::call(&client, &subject, &req, API_TIMEOUT).await?;
             if json {
                 println!("{}", serde_json::to_string(&rec)?);
             } else {
@@ -180,9 +175,10 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
             }
         }
         StepCommand::List { json } => {
-            let req = ListSteps { caller: caller()? };
+            let req = ListSteps { caller };
+            let subject = principal.steps(subj::LIST);
             let recs: Vec<ExecutionRecord> =
-                api::call(&client, subj::STEPS_LIST, &req, API_TIMEOUT).await?;
+                api::call(&client, &subject, &req, API_TIMEOUT).await?;
             if json {
                 println!("{}", serde_json::to_string(&recs)?);
             } else {
@@ -196,10 +192,20 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// A client for the exec API: in an agent's terminal (or a step's process) it acts for that
+/// session (or step) and reaches only its executions; elsewhere it is the operator's.
+async fn exec_client(url: &str) -> anyhow::Result<(async_nats::Client, Principal)> {
+    let caller = Caller::from_env();
+    let principal = caller.as_ref().map_or(Principal::Operator, Principal::of);
+    let client = principal::connect(url, "turnstile-cli", caller.as_ref()).await?;
+    Ok((client, principal))
+}
+
 /// `turnstile tree ID [--json]`.
 pub async fn tree(url: &str, id: ExecutionId, json: bool) -> anyhow::Result<ExitCode> {
-    let client = turnstile_shared::config::connect_once(url, "turnstile-cli").await?;
-    let node: TreeNode = api::call(&client, subj::EXEC_TREE, &ExecRef { id }, API_TIMEOUT).await?;
+    let (client, principal) = exec_client(url).await?;
+    let subject = principal.exec(subj::TREE);
+    let node: TreeNode = api::call(&client, &subject, &ExecRef { id }, API_TIMEOUT).await?;
     if json {
         println!("{}", serde_json::to_string(&node)?);
     } else {
@@ -210,9 +216,9 @@ pub async fn tree(url: &str, id: ExecutionId, json: bool) -> anyhow::Result<Exit
 
 /// `turnstile cancel ID`.
 pub async fn cancel(url: &str, id: ExecutionId, json: bool) -> anyhow::Result<ExitCode> {
-    let client = turnstile_shared::config::connect_once(url, "turnstile-cli").await?;
-    let out: Cancelled =
-        api::call(&client, subj::EXEC_CANCEL, &ExecRef { id }, API_TIMEOUT).await?;
+    let (client, principal) = exec_client(url).await?;
+    let subject = principal.exec(subj::CANCEL);
+    let out: Cancelled = api::call(&client, &subject, &ExecRef { id }, API_TIMEOUT).await?;
     if json {
         println!("{}", serde_json::to_string(&out)?);
     } else if out.cancelled.is_empty() {

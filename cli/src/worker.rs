@@ -11,6 +11,7 @@ use futures::StreamExt;
 use turnstile_shared::api;
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::{exec_reason, StepResult, StepWork};
+use turnstile_shared::principal::Principal;
 use turnstile_shared::step_api::{step_kind, Report, ReportAck, StepReport, StepWorkItem};
 use turnstile_shared::subjects::api as subj;
 use turnstile_shared::topology::{self, TopologyConfig};
@@ -187,7 +188,8 @@ async fn report(
         token: item.token.clone(),
         report,
     };
-    api::call(client, subj::STEPS_REPORT, &req, CALL_TIMEOUT)
+    let subject = Principal::Step(item.step.clone()).steps(subj::REPORT);
+    api::call(client, &subject, &req, CALL_TIMEOUT)
         .await
         .with_context(|| format!("report step {}", item.step))
 }

@@ -65,8 +65,18 @@ pub fn split_credentials(url: &str) -> (String, Option<(String, String)>) {
 }
 
 fn options(url: &str, name: &str) -> (String, async_nats::ConnectOptions) {
+    options_or(url, name, None)
+}
+
+/// The options every connection takes: the URL's credentials, else `fallback` (user,
+/// password); TLS from the environment; a name; permission refusals logged and counted.
+pub fn options_or(
+    url: &str,
+    name: &str,
+    fallback: Option<(String, String)>,
+) -> (String, async_nats::ConnectOptions) {
     let (bare, creds) = split_credentials(url);
-    let opts = match creds {
+    let opts = match creds.or(fallback) {
         Some((user, password)) => {
             async_nats::ConnectOptions::with_user_and_password(user, password)
         }

@@ -16,6 +16,8 @@
 //!   `delivery` (completions and the delivery item), `runs`, `schedules`, `step_api`.
 //! - `lane`: the lane item, above the records it carries; `arming`: arming a session's one
 //!   delivery item, above the lane item.
+//! - `principal`: who an agent-facing call acts for (the token its subjects carry), above
+//!   `step_api`; `service` serves endpoints scoped by it.
 
 pub mod api;
 pub mod arming;
@@ -31,6 +33,7 @@ pub mod ids;
 pub mod kv;
 pub mod lane;
 pub mod names;
+pub mod principal;
 pub mod records;
 pub mod retry;
 pub mod runs;

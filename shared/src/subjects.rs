@@ -245,18 +245,68 @@ pub mod api {
     pub const SCHEDULES_DELETE: &str = "ts.api.schedules.delete";
 
     pub const BROKER_SERVICE: &str = "turnstile-notification-broker";
+    /// The broker's agent-facing APIs carry the principal a call acts for after the area,
+    /// `ts.api.steps.<principal>.<verb>` and `ts.api.exec.<principal>.<verb>`, so the NATS
+    /// server can allow an agent its own session's subjects and nothing else. The principal
+    /// is a session id, a step id, or [`OPERATOR`] for operators and services.
     pub const STEPS_GROUP: &str = "ts.api.steps";
-    /// Start a child execution (session or step credentials).
-    pub const STEPS_START: &str = "ts.api.steps.start";
-    /// A worker reports running / heartbeat / result with the step's own token.
-    pub const STEPS_REPORT: &str = "ts.api.steps.report";
-    pub const STEPS_STATUS: &str = "ts.api.steps.status";
-    pub const STEPS_LIST: &str = "ts.api.steps.list";
     pub const EXEC_GROUP: &str = "ts.api.exec";
+    /// The principal token of calls by operators and services (never an agent's).
+    pub const OPERATOR: &str = "op";
+    /// Start a child execution (session or step credentials).
+    pub const START: &str = "start";
+    /// A worker reports running / heartbeat / result with the step's own token.
+    pub const REPORT: &str = "report";
+    pub const STATUS: &str = "status";
+    pub const LIST: &str = "list";
     /// The subtree under any execution.
-    pub const EXEC_TREE: &str = "ts.api.exec.tree";
+    pub const TREE: &str = "tree";
     /// Cancel an execution and everything it owns (R7).
-    pub const EXEC_CANCEL: &str = "ts.api.exec.cancel";
+    pub const CANCEL: &str = "cancel";
+    pub const STEP_VERBS: [&str; 4] = [START, REPORT, STATUS, LIST];
+    pub const EXEC_VERBS: [&str; 2] = [TREE, CANCEL];
+
+    /// `ts.api.steps.<principal>.<verb>`.
+    pub fn steps(principal: &str, verb: &str) -> String {
+        format!("{STEPS_GROUP}.{principal}.{verb}")
+    }
+
+    /// `ts.api.exec.<principal>.<verb>`.
+    pub fn exec(principal: &str, verb: &str) -> String {
+        format!("{EXEC_GROUP}.{principal}.{verb}")
+    }
+
+    /// An endpoint's subject inside its group: any principal, one verb.
+    pub fn any_principal(verb: &str) -> String {
+        format!("*.{verb}")
+    }
+
+    /// Where replies to a principal's requests arrive: its own inbox prefix, so it may
+    /// subscribe to its replies and nobody else's.
+    pub fn inbox(principal: &str) -> String {
+        format!("_INBOX.{principal}")
+    }
+
+    /// What an agent's (or a step's) NATS identity may publish: requests on its own
+    /// principal's step and exec subjects.
+    pub fn agent_publish(principal: &str) -> Vec<String> {
+        vec![steps(principal, "*"), exec(principal, "*")]
+    }
+
+    /// What it may subscribe to: the replies to its own requests.
+    pub fn agent_subscribe(principal: &str) -> Vec<String> {
+        vec![format!("{}.>", inbox(principal))]
+    }
+
+    /// The subject the NATS server sends auth callout requests on (nats-server 2.10+).
+    pub const AUTH_CALLOUT: &str = "$SYS.REQ.USER.AUTH";
+    /// The queue group of the broker replicas answering them.
+    pub const AUTH_CALLOUT_GROUP: &str = "turnstile-auth";
+    /// System-account requests: every server's connections, and ending one of them.
+    pub const SERVER_CONNZ: &str = "$SYS.REQ.SERVER.PING.CONNZ";
+    pub fn server_kick(server_id: &str) -> String {
+        format!("$SYS.REQ.SERVER.{server_id}.KICK")
+    }
 }
 
 /// Header on dead-lettered messages naming why they were refused.

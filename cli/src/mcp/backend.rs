@@ -6,43 +6,52 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use serde_json::Value;
 use tokio::sync::OnceCell;
+use turnstile_shared::step_api::Caller;
 
 const API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The broker's request/reply API: one request on `subject`, its reply or an error text.
 pub trait Backend: Send + Sync + 'static {
-    fn call(&self, subject: &'static str, request: Value) -> BoxFuture<'_, Result<Value, String>>;
+    fn call(&self, subject: String, request: Value) -> BoxFuture<'_, Result<Value, String>>;
 }
 
 /// Connects on the first tool call (and again after a failed attempt), so the server answers
 /// `initialize` at once even when NATS is down.
 pub struct Nats {
     url: String,
+    /// Who the tools act for: the connection is made as this principal (its own NATS
+    /// identity where the deployment issues them).
+    caller: Option<Caller>,
     client: OnceCell<async_nats::Client>,
 }
 
 impl Nats {
-    pub fn new(url: &str) -> Self {
+    pub fn new(url: &str, caller: Option<Caller>) -> Self {
         Self {
             url: url.to_string(),
+            caller,
             client: OnceCell::new(),
         }
     }
 }
 
 impl Backend for Nats {
-    fn call(&self, subject: &'static str, request: Value) -> BoxFuture<'_, Result<Value, String>> {
+    fn call(&self, subject: String, request: Value) -> BoxFuture<'_, Result<Value, String>> {
         Box::pin(async move {
             let client = self
                 .client
                 .get_or_try_init(|| {
-                    turnstile_shared::config::connect_once(&self.url, "turnstile-mcp")
+                    turnstile_shared::principal::connect(
+                        &self.url,
+                        "turnstile-mcp",
+                        self.caller.as_ref(),
+                    )
                 })
                 .await
                 .map_err(|e| {
                     format!("{e} (is Turnstile running? set --nats or TURNSTILE_NATS_URL)")
                 })?;
-            turnstile_shared::api::call::<Value, Value>(client, subject, &request, API_TIMEOUT)
+            turnstile_shared::api::call::<Value, Value>(client, &subject, &request, API_TIMEOUT)
                 .await
                 .map_err(|e| e.to_string())
         })
@@ -58,7 +67,6 @@ pub mod fake {
     use turnstile_shared::{SessionId, StepId};
 
     use super::*;
-    use turnstile_shared::step_api::Caller;
 
     /// Records each call and answers with `reply` (or an error when it is `None`).
     #[derive(Default)]
@@ -68,8 +76,8 @@ pub mod fake {
     }
 
     impl Backend for Arc<Fake> {
-        fn call(&self, subject: &'static str, req: Value) -> BoxFuture<'_, Result<Value, String>> {
-            self.calls.lock().unwrap().push((subject.to_string(), req));
+        fn call(&self, subject: String, req: Value) -> BoxFuture<'_, Result<Value, String>> {
+            self.calls.lock().unwrap().push((subject, req));
             let reply = self.reply.clone().ok_or("unavailable: no NATS".to_string());
             Box::pin(async move { reply })
         }

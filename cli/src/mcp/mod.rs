@@ -31,7 +31,7 @@ pub async fn run(url: &str) -> anyhow::Result<ExitCode> {
     if caller.is_none() {
         eprintln!("{NO_CREDENTIALS}");
     }
-    let service = Server::new(caller, Nats::new(url))
+    let service = Server::new(caller.clone(), Nats::new(url, caller))
         .serve(rmcp::transport::stdio())
         .await
         .context("MCP initialization")?;

@@ -5,6 +5,7 @@
 use serde::Serialize;
 use serde_json::Value;
 use turnstile_shared::execution::ExecutionRecord;
+use turnstile_shared::principal::Principal;
 use turnstile_shared::step_api::{Caller, ListSteps, StartStep, StepKind, StepStatus};
 use turnstile_shared::subjects::api as subj;
 use turnstile_shared::StepId;
@@ -34,7 +35,7 @@ impl<B: Backend> Tools<B> {
     pub async fn start_step(&self, p: StartStepParams) -> Result<String, String> {
         let run = async {
             let req = start_request(self.caller()?, p)?;
-            let rec: ExecutionRecord = self.api(subj::STEPS_START, &req).await?;
+            let rec: ExecutionRecord = self.api(subj::START, &req).await?;
             Ok(format!(
                 "started step {} ({}, scope {}); its result is delivered to this \
                  conversation when it ends\n{}",
@@ -59,7 +60,7 @@ impl<B: Backend> Tools<B> {
                 work: StepKind::Agent { prompt },
                 id: Some(StepId::new()),
             };
-            let rec: ExecutionRecord = self.api(subj::STEPS_START, &req).await?;
+            let rec: ExecutionRecord = self.api(subj::START, &req).await?;
             Ok(format!(
                 "started background agent {} ({}); its final reply is delivered to this \
                  conversation once everything it started is done\n{}",
@@ -75,9 +76,7 @@ impl<B: Backend> Tools<B> {
         let run = async {
             let caller = self.caller()?;
             let step: StepId = p.id.parse().map_err(|e| format!("bad `id`: {e}"))?;
-            let rec: ExecutionRecord = self
-                .api(subj::STEPS_STATUS, &StepStatus { caller, step })
-                .await?;
+            let rec: ExecutionRecord = self.api(subj::STATUS, &StepStatus { caller, step }).await?;
             Ok(format!("{}\n{}", summary(&rec), pretty(&rec.redacted())))
         };
         run.await.map_err(|e: String| format!("step_status: {e}"))
@@ -86,8 +85,7 @@ impl<B: Backend> Tools<B> {
     pub async fn list_steps(&self, _: ListStepsParams) -> Result<String, String> {
         let run = async {
             let caller = self.caller()?;
-            let recs: Vec<ExecutionRecord> =
-                self.api(subj::STEPS_LIST, &ListSteps { caller }).await?;
+            let recs: Vec<ExecutionRecord> = self.api(subj::LIST, &ListSteps { caller }).await?;
             let recs: Vec<ExecutionRecord> = recs.iter().map(ExecutionRecord::redacted).collect();
             let mut text: String = recs.iter().map(|r| summary(r) + "\n").collect();
             if recs.is_empty() {
@@ -104,13 +102,15 @@ impl<B: Backend> Tools<B> {
             .ok_or_else(|| NO_CREDENTIALS.to_string())
     }
 
+    /// One request on the caller's own `ts.api.steps.<principal>.<verb>`.
     async fn api<Req: Serialize, Resp: serde::de::DeserializeOwned>(
         &self,
-        subject: &'static str,
+        verb: &'static str,
         req: &Req,
     ) -> Result<Resp, String> {
+        let subject = Principal::of(&self.caller()?).steps(verb);
         let body = serde_json::to_value(req).map_err(|e| format!("encode request: {e}"))?;
-        let reply = self.backend.call(subject, body).await?;
+        let reply = self.backend.call(subject.clone(), body).await?;
         serde_json::from_value(reply).map_err(|e| format!("unreadable reply on {subject}: {e}"))
     }
 }
@@ -298,7 +298,8 @@ mod tests {
         assert!(!text.contains("secret-token"));
         let calls = fake.calls.lock().unwrap();
         let (subject, req) = &calls[0];
-        assert_eq!(subject, subj::STEPS_START);
+        let session = req["caller"]["session"].as_str().unwrap();
+        assert_eq!(subject, &format!("ts.api.steps.{session}.start"));
         assert_eq!(
             req["work"],
             json!({"kind": "command", "argv": ["cargo", "build"]})
@@ -325,7 +326,7 @@ mod tests {
             json!({"kind": "external", "queue": "review", "input": {"pr": 7}})
         );
         assert_eq!(calls[0].1["scope"], "turn");
-        assert_eq!(calls[1].0, subj::STEPS_START);
+        assert!(calls[1].0.ends_with(".start"), "{}", calls[1].0);
         assert_eq!(
             calls[1].1["work"],
             json!({"kind": "agent", "prompt": "fix the build"})
@@ -341,14 +342,14 @@ mod tests {
             .await
             .unwrap();
         assert!(text.starts_with(&format!("{id} queued")));
-        assert_eq!(fake.calls.lock().unwrap()[0].0, subj::STEPS_STATUS);
+        assert!(fake.calls.lock().unwrap()[0].0.ends_with(".status"));
         assert_eq!(fake.calls.lock().unwrap()[0].1["step"], id.to_string());
 
         let (t, fake) = tools(Some(caller()), Some(json!([record(&id)])));
         let text = call(&t, "list_steps", json!({})).await.unwrap();
         assert!(text.starts_with(&format!("{id} queued [run] build")));
         assert!(!text.contains("secret-token"));
-        assert_eq!(fake.calls.lock().unwrap()[0].0, subj::STEPS_LIST);
+        assert!(fake.calls.lock().unwrap()[0].0.ends_with(".list"));
 
         let (t, _) = tools(Some(caller()), Some(json!([])));
         let text = call(&t, "list_steps", json!({})).await.unwrap();

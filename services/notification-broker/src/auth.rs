@@ -5,6 +5,7 @@ use serde_json::json;
 use turnstile_shared::api::{ApiError, ErrorCode};
 use turnstile_shared::events::{self, EventKind};
 use turnstile_shared::execution::ExecutionRecord;
+use turnstile_shared::principal::Principal;
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::Caller;
 use turnstile_shared::Envelope;
@@ -25,11 +26,21 @@ pub(crate) fn same_secret(a: &str, b: &str) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Who a call acts for: the request's credentials, which must belong to the principal of the
+/// subject it came on (an agent's NATS identity may publish only on its own).
 pub(crate) async fn authenticate(
     ctx: &Ctx,
+    principal: &Principal,
     caller: &Caller,
     action: &str,
 ) -> Result<Identity, ApiError> {
+    if !principal.admits(caller) {
+        let why = format!(
+            "credentials of {} on {principal}'s subject",
+            Principal::of(caller)
+        );
+        return Err(refuse(ctx, caller, action, &why).await);
+    }
     if caller.token.is_empty() {
         return Err(refuse(ctx, caller, action, "no token presented").await);
     }

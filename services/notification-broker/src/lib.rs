@@ -11,6 +11,8 @@
 //! * `agents`: agent steps, each a run on a session of its own. Calls `step_events`, `registry`.
 //! * `turns`: running turns become tree nodes; an ended one cancels its work. Calls `registry`.
 //! * `runs_mirror`: runs and their messages become tree nodes. Calls nothing here.
+//! * `callout`: agents' NATS identities (the server's auth callout), and ending a stopped
+//!   session's connections. Calls `auth`.
 //! * `auth`: who a step API call acts for (session or step token). Leaf.
 //! * `step_events`: builds and publishes the `step.<status>` session events. Leaf.
 //! * `registry`: executions in KV, the child index, the tree walk, cancel by ownership. Leaf.
@@ -18,6 +20,7 @@
 mod agents;
 mod api;
 mod auth;
+mod callout;
 mod ended;
 mod registry;
 mod runs_mirror;
@@ -32,11 +35,15 @@ use turnstile_shared::config::{Connected, StartError};
 use turnstile_shared::topology::{Buckets, TopologyConfig};
 use turnstile_shared::ExecutionId;
 
+pub use callout::CalloutConfig;
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub nats_url: String,
     pub topology: TopologyConfig,
     pub replica: String,
+    /// Answer the NATS server's auth callouts (agents' identities), when configured.
+    pub callout: Option<CalloutConfig>,
 }
 
 impl Config {
@@ -45,6 +52,7 @@ impl Config {
             nats_url: nats_url.into(),
             topology: TopologyConfig::default(),
             replica: format!("broker-{}", std::process::id()),
+            callout: None,
         }
     }
 }
@@ -55,6 +63,8 @@ pub enum Error {
     Start(#[from] StartError),
     #[error("start API service: {0}")]
     Api(async_nats::Error),
+    #[error("auth callout: {0}")]
+    Callout(#[from] callout::CalloutError),
 }
 
 pub(crate) struct Ctx {
@@ -100,13 +110,21 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         parent_locks: Default::default(),
     });
     tracing::info!(replica = %config.replica, "notification-broker running");
-    let (api, (), (), (), ()) = tokio::join!(
+    let callout = async {
+        match config.callout.clone() {
+            Some(c) => callout::run(ctx.clone(), c, shutdown.clone()).await,
+            None => Ok(()),
+        }
+    };
+    let (api, callout, (), (), (), ()) = tokio::join!(
         api::serve(ctx.clone(), shutdown.clone()),
+        callout,
         ended::run(ctx.clone(), shutdown.clone()),
         turns::run(ctx.clone(), shutdown.clone()),
         agents::run(ctx.clone(), shutdown.clone()),
         runs_mirror::run(ctx.clone(), shutdown.clone()),
     );
     let _ = ctx.client.drain().await;
-    api
+    api?;
+    callout.map_err(Error::from)
 }

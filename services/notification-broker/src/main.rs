@@ -1,5 +1,6 @@
 //! `turnstile-notification-broker`: reads config, starts tracing, runs the service until SIGTERM.
 
+use anyhow::Context;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::config::{NatsArgs, TopologyArgs};
@@ -14,6 +15,21 @@ struct Args {
     /// This replica's name in logs (several brokers may run).
     #[arg(long, env = "TURNSTILE_REPLICA")]
     replica: Option<String>,
+    /// Answer the NATS server's auth callouts with agents' identities: a file holding the
+    /// account seed (`SA…`) whose public key is the callout issuer in the server's config
+    /// (`turnstile admin issuer` makes one).
+    #[arg(long, env = "TURNSTILE_AUTH_ISSUER_SEED_FILE")]
+    auth_issuer_seed_file: Option<std::path::PathBuf>,
+    /// The account the agents' identities are placed in.
+    #[arg(long, env = "TURNSTILE_AUTH_ACCOUNT", default_value = "TURNSTILE")]
+    auth_account: String,
+    /// How long an agent's credential lives before its client must authenticate again.
+    #[arg(long, env = "TURNSTILE_AGENT_CREDENTIAL_TTL", default_value = "1h", value_parser = turnstile_shared::duration::parse_flag)]
+    agent_credential_ttl: std::time::Duration,
+    /// A system-account identity (URL with user and password) allowed to list and end
+    /// connections: a stopped session's open connections then end at once.
+    #[arg(long, env = "TURNSTILE_SYSTEM_NATS_URL")]
+    system_nats: Option<String>,
 }
 
 #[tokio::main]
@@ -24,6 +40,16 @@ async fn main() -> anyhow::Result<()> {
     config.topology = args.topology.to_config();
     if let Some(r) = args.replica {
         config.replica = r;
+    }
+    if let Some(path) = args.auth_issuer_seed_file {
+        let seed = std::fs::read_to_string(&path)
+            .with_context(|| format!("read the auth issuer seed {}", path.display()))?;
+        config.callout = Some(turnstile_notification_broker::CalloutConfig {
+            issuer_seed: seed.trim().to_string(),
+            account: args.auth_account,
+            ttl: args.agent_credential_ttl,
+            system_url: args.system_nats,
+        });
     }
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());

@@ -66,6 +66,13 @@ pub struct Config {
 }
 
 impl Config {
+    /// The NATS address the agents and step processes this transport launches connect to:
+    /// the server only, never this transport's own credentials. They connect as their own
+    /// session or step (the auth callout issues them identities of that scope).
+    pub fn agent_nats_url(&self) -> String {
+        turnstile_shared::config::split_credentials(&self.nats_url).0
+    }
+
     pub fn new(nats_url: impl Into<String>, host: HostName, data_dir: PathBuf) -> Self {
         Self {
             nats_url: nats_url.into(),
@@ -166,7 +173,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
             state_dir: config.mock_state_dir.clone(),
             default_cwd: config.data_dir.clone(),
             data_dir: config.data_dir.clone(),
-            nats_url: config.nats_url.clone(),
+            nats_url: config.agent_nats_url(),
         }),
     );
     adapters.insert(AgentKind::Instant, Arc::new(InstantAdapter));
@@ -175,7 +182,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         Arc::new(claude::ClaudeAdapter::new(
             config.claude_bin.clone(),
             config.data_dir.clone(),
-            config.nats_url.clone(),
+            config.agent_nats_url(),
             config.agent_bin.clone(),
         )),
     );
@@ -184,7 +191,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         Arc::new(generic::GenericAdapter {
             tmux: generic_tmux,
             data_dir: config.data_dir.clone(),
-            nats_url: config.nats_url.clone(),
+            nats_url: config.agent_nats_url(),
             turnstile_bin: config.agent_bin.clone(),
         }),
     );
@@ -193,7 +200,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         Arc::new(codex::CodexAdapter::new(
             config.codex_bin.clone(),
             config.data_dir.clone(),
-            config.nats_url.clone(),
+            config.agent_nats_url(),
         )),
     );
     let worker = format!("{}/{}", config.host, uuid::Uuid::now_v7().simple());

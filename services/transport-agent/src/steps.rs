@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ApiError};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::{exec_reason, StepResult, StepWork};
+use turnstile_shared::principal::Principal;
 use turnstile_shared::retry::Backoff;
 use turnstile_shared::step_api::{step_kind, Report, ReportAck, StepReport, StepWorkItem};
 use turnstile_shared::{consume, subjects, topology};
@@ -115,7 +116,9 @@ async fn run_step(
         .current_dir(&dir)
         .env("TURNSTILE_STEP", item.step.as_str())
         .env("TURNSTILE_STEP_TOKEN", &item.token)
-        .env("TURNSTILE_NATS_URL", &ctx.config.nats_url)
+        // The server's address only: the step's process connects as the step itself, with
+        // its token, never with this transport's identity.
+        .env("TURNSTILE_NATS_URL", &ctx.config.agent_nats_url())
         .env_remove("TURNSTILE_SESSION")
         .env_remove("TURNSTILE_TOKEN")
         .stdin(Stdio::null())
@@ -250,7 +253,7 @@ async fn call(
     loop {
         match api::call::<_, ReportAck>(
             &ctx.client,
-            subjects::api::STEPS_REPORT,
+            &Principal::Step(item.step.clone()).steps(subjects::api::REPORT),
             &req,
             CALL_TIMEOUT,
         )

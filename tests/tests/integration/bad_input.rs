@@ -143,6 +143,7 @@ async fn bad_step_ends_and_requests_are_refused_and_the_broker_goes_on() -> Resu
 
 async fn bad_broker_input(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::api::{self, ApiError};
+    use turnstile_shared::principal::Principal;
     use turnstile_shared::subjects::api as subj;
     let refused = |r: Result<serde_json::Value, ApiError>| match r {
         Err(e) if e.code == ErrorCode::BadRequest => Ok(e.message),
@@ -156,7 +157,7 @@ async fn bad_broker_input(stack: &mut Stack) -> Result<()> {
         async move {
             let r = api::call::<_, serde_json::Value>(
                 &client,
-                subj::STEPS_START,
+                &Principal::Operator.steps(subj::START),
                 &serde_json::json!({"x": 1}),
                 crate::stack::API,
             )
@@ -178,7 +179,7 @@ async fn bad_broker_input(stack: &mut Stack) -> Result<()> {
     let msg = refused(
         api::call(
             &stack.client,
-            subj::STEPS_START,
+            &Principal::of(&caller).steps(subj::START),
             &no_program,
             crate::stack::API,
         )

@@ -11,6 +11,7 @@ use turnstile_shared::api::ErrorCode;
 use turnstile_shared::api::{self, CreateSession, SendTurn, SessionRef, SessionView};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::ExecutionRecord;
+use turnstile_shared::principal::Principal;
 use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord};
 use turnstile_shared::step_api::{Caller, ExecRef, StartStep, TreeNode};
 use turnstile_shared::subjects::{self, api as subj};
@@ -33,10 +34,12 @@ pub struct Stack {
     passwords: HashMap<&'static str, String>,
     /// A TLS stack's certificates, removed with the stack.
     certs: Option<tempfile::TempDir>,
+    /// A deployed stack's auth callout issuer seed (the broker signs agents' identities).
+    issuer_seed: Option<(tempfile::TempDir, PathBuf)>,
 }
 
 /// The users of `deploy/nats-server.conf` and the variables holding their passwords.
-const DEPLOYED_USERS: [(&str, &str); 7] = [
+const DEPLOYED_USERS: [(&str, &str); 8] = [
     ("session-lane", "TS_LANE_PASSWORD"),
     ("transport-agent", "TS_TRANSPORT_PASSWORD"),
     ("notification-broker", "TS_BROKER_PASSWORD"),
@@ -44,6 +47,7 @@ const DEPLOYED_USERS: [(&str, &str); 7] = [
     ("cli", "TS_CLI_PASSWORD"),
     ("admin", "TS_ADMIN_PASSWORD"),
     ("observer", "TS_OBSERVER_PASSWORD"),
+    ("revoker", "TS_REVOKER_PASSWORD"),
 ];
 
 impl Stack {
@@ -71,10 +75,25 @@ impl Stack {
             .iter()
             .map(|(user, _)| (*user, turnstile_shared::ids::new_secret()))
             .collect();
-        let env = DEPLOYED_USERS
+        // The account key that signs agents' identities, made as an operator makes it.
+        let keys = tempfile::Builder::new().prefix("ts-keys-").tempdir()?;
+        let seed = keys.path().join("issuer.nk");
+        let out = std::process::Command::new(bin_path("turnstile")?)
+            .args(["admin", "issuer", "--seed-file"])
+            .arg(&seed)
+            .output()
+            .context("run turnstile admin issuer")?;
+        ensure!(
+            out.status.success(),
+            "turnstile admin issuer: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let issuer = String::from_utf8(out.stdout)?.trim().to_string();
+        let mut env: Vec<(String, String)> = DEPLOYED_USERS
             .iter()
             .map(|(user, var)| (var.to_string(), passwords[user].clone()))
             .collect();
+        env.push(("TS_AUTH_ISSUER".to_string(), issuer));
         let config =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats-server.conf");
         let nats = NatsServer::start_with_config(
@@ -85,6 +104,7 @@ impl Stack {
         )
         .await?;
         let mut stack = Self::assemble(nats, &[], passwords).await?;
+        stack.issuer_seed = Some((keys, seed));
         stack.deploy(replicas, hosts).await?;
         Ok(stack)
     }
@@ -162,6 +182,7 @@ impl Stack {
                 .collect(),
             passwords,
             certs: None,
+            issuer_seed: None,
         })
     }
 
@@ -236,6 +257,19 @@ impl Stack {
                 }
             }
         }
+        // The broker answers the auth callout and ends stopped sessions' connections.
+        if let (Some((_, seed)), "notification-broker") = (&self.issuer_seed, role) {
+            env.push((
+                "TURNSTILE_AUTH_ISSUER_SEED_FILE".into(),
+                seed.to_string_lossy().into_owned(),
+            ));
+            if let Some(pw) = self.passwords.get("revoker") {
+                env.push((
+                    "TURNSTILE_SYSTEM_NATS_URL".into(),
+                    self.nats.url_as("revoker", pw),
+                ));
+            }
+        }
         env
     }
 
@@ -260,11 +294,14 @@ impl Stack {
     /// Waits (bounded) until every service's API answers, so a test's first call does not
     /// race a service still starting (any reply counts, an error reply too).
     pub async fn wait_serving(&self, lanes: bool) -> Result<()> {
-        let mut apis = vec![subj::SCHEDULES_LIST, subj::EXEC_TREE];
+        let mut apis = vec![
+            subj::SCHEDULES_LIST.to_string(),
+            Principal::Operator.exec(subj::TREE),
+        ];
         if lanes {
-            apis.push(subj::SESSION_LIST);
+            apis.push(subj::SESSION_LIST.to_string());
         }
-        for subject in apis {
+        for subject in &apis {
             wait_until(
                 &format!("{subject} to answer"),
                 Duration::from_secs(30),
@@ -765,7 +802,7 @@ impl Stack {
     pub async fn tree(&self, id: &ExecutionId) -> Result<TreeNode> {
         Ok(api::call(
             &self.client,
-            subj::EXEC_TREE,
+            &Principal::Operator.exec(subj::TREE),
             &ExecRef { id: id.clone() },
             API,
         )
@@ -773,7 +810,8 @@ impl Stack {
     }
 
     pub async fn start_step(&self, req: &StartStep) -> Result<ExecutionRecord, api::ApiError> {
-        api::call(&self.client, subj::STEPS_START, req, API).await
+        let subject = Principal::of(&req.caller).steps(subj::START);
+        api::call(&self.client, &subject, req, API).await
     }
 
     /// Waits until the kept events satisfy `pred` (re-reading the stream as it grows).

@@ -5,14 +5,58 @@
 use std::sync::Arc;
 
 use turnstile_shared::api::ApiError;
-use turnstile_shared::execution::{exec_reason, ExecKind};
+use turnstile_shared::execution::{exec_reason, ExecKind, ExecutionRecord};
+use turnstile_shared::principal::Principal;
 use turnstile_shared::step_api::{Cancelled, Ended, ExecRef, TreeNode};
+use turnstile_shared::ExecutionId;
 
 use crate::registry::{self, Reach};
 use crate::Ctx;
 
+/// Whether `principal` may see and cancel `record`: an operator any execution, a session its
+/// own and those whose completions it receives, a step those of its session. An agent's NATS
+/// identity may publish only on its own principal's subjects, so this scopes its tools.
+async fn within_reach(
+    ctx: &Ctx,
+    principal: &Principal,
+    record: &ExecutionRecord,
+) -> Result<bool, ApiError> {
+    Ok(match principal {
+        Principal::Operator => true,
+        Principal::Session(s) => record.session == *s || record.may_receive(s),
+        Principal::Step(step) => registry::get(ctx, &ExecutionId::from(step))
+            .await
+            .map_err(ApiError::internal)?
+            .is_some_and(|own| own.session == record.session),
+    })
+}
+
+/// The execution and its record, if `principal` may reach it (else "not found", as for an
+/// execution that does not exist).
+async fn reachable(
+    ctx: &Ctx,
+    principal: &Principal,
+    id: &ExecutionId,
+) -> Result<ExecutionRecord, ApiError> {
+    let missing = || ApiError::not_found(format!("no execution {id}"));
+    let record = registry::get(ctx, id)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or_else(missing)?;
+    if within_reach(ctx, principal, &record).await? {
+        Ok(record)
+    } else {
+        Err(missing())
+    }
+}
+
 /// The execution and everything under it, as a tree.
-pub(super) async fn tree(ctx: Arc<Ctx>, req: ExecRef) -> Result<TreeNode, ApiError> {
+pub(super) async fn tree(
+    ctx: Arc<Ctx>,
+    principal: Principal,
+    req: ExecRef,
+) -> Result<TreeNode, ApiError> {
+    reachable(&ctx, &principal, &req.id).await?;
     registry::tree(&ctx, &req.id)
         .await
         .map_err(ApiError::internal)?
@@ -21,11 +65,12 @@ pub(super) async fn tree(ctx: Arc<Ctx>, req: ExecRef) -> Result<TreeNode, ApiErr
 
 /// Cancels an execution and everything it owns (R7). A turn itself is not interrupted (its
 /// agent finishes typing its reply); what the turn owns is cancelled.
-pub(super) async fn cancel(ctx: Arc<Ctx>, req: ExecRef) -> Result<Cancelled, ApiError> {
-    let record = registry::get(&ctx, &req.id)
-        .await
-        .map_err(ApiError::internal)?
-        .ok_or_else(|| ApiError::not_found(format!("no execution {}", req.id)))?;
+pub(super) async fn cancel(
+    ctx: Arc<Ctx>,
+    principal: Principal,
+    req: ExecRef,
+) -> Result<Cancelled, ApiError> {
+    let record = reachable(&ctx, &principal, &req.id).await?;
     let mut cancelled = Vec::new();
     match record.kind {
         ExecKind::Step => {

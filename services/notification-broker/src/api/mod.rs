@@ -1,6 +1,7 @@
 //! The broker's NATS micro service: one service (`subjects::api::BROKER_SERVICE`, a queue
 //! group across replicas) with the `ts.api.steps.*` group (handlers in [`steps`]) and the
-//! `ts.api.exec.*` group (handlers in [`exec`]). This file only wires endpoints to handlers;
+//! `ts.api.exec.*` group (handlers in [`exec`]), each subject carrying the principal a call
+//! acts for (`ts.api.steps.<principal>.<verb>`). This file only wires endpoints to handlers;
 //! calls go down from here to the handler modules, never back.
 
 mod exec;
@@ -10,7 +11,7 @@ use std::sync::Arc;
 
 use async_nats::service::ServiceExt;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::service::serve_endpoint;
+use turnstile_shared::service::serve_principal_endpoint;
 use turnstile_shared::subjects;
 
 use crate::{Ctx, Error};
@@ -27,10 +28,17 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     let steps_group = service.group(subjects::api::STEPS_GROUP);
     let exec_group = service.group(subjects::api::EXEC_GROUP);
     let mut tasks = Vec::new();
+    // Each endpoint takes any principal (`ts.api.steps.<principal>.start`); the handler gets
+    // the one its request came on and checks the request's credentials against it.
     macro_rules! endpoint {
-        ($group:ident, $verb:literal, $handler:path) => {{
-            let endpoint = $group.endpoint($verb).await.map_err(Error::Api)?;
-            tasks.push(tokio::spawn(serve_endpoint(
+        ($group:ident, $verb:expr, $handler:path) => {{
+            let endpoint = $group
+                .endpoint_builder()
+                .name($verb)
+                .add(subjects::api::any_principal($verb))
+                .await
+                .map_err(Error::Api)?;
+            tasks.push(tokio::spawn(serve_principal_endpoint(
                 ctx.clone(),
                 endpoint,
                 shutdown.clone(),
@@ -38,12 +46,13 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
             )));
         }};
     }
-    endpoint!(steps_group, "start", steps::start);
-    endpoint!(steps_group, "report", steps::report);
-    endpoint!(steps_group, "status", steps::status);
-    endpoint!(steps_group, "list", steps::list);
-    endpoint!(exec_group, "tree", exec::tree);
-    endpoint!(exec_group, "cancel", exec::cancel);
+    use subjects::api::{CANCEL, LIST, REPORT, START, STATUS, TREE};
+    endpoint!(steps_group, START, steps::start);
+    endpoint!(steps_group, REPORT, steps::report);
+    endpoint!(steps_group, STATUS, steps::status);
+    endpoint!(steps_group, LIST, steps::list);
+    endpoint!(exec_group, TREE, exec::tree);
+    endpoint!(exec_group, CANCEL, exec::cancel);
     futures::future::join_all(tasks).await;
     let _ = service.stop().await;
     Ok(())

@@ -12,6 +12,7 @@ use turnstile_shared::execution::exec_reason;
 use turnstile_shared::execution::{ExecKind, ExecStatus, ExecutionRecord, Scope, StepWork};
 use turnstile_shared::ids::{is_token, new_secret};
 use turnstile_shared::kv::Change;
+use turnstile_shared::principal::Principal;
 use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::step_api::{
     Ended, ListSteps, Report, ReportAck, StartStep, StepKind, StepReport, StepStatus, StepWorkItem,
@@ -135,9 +136,13 @@ fn validate(req: &StartStep) -> Result<(), ApiError> {
     Ok(())
 }
 
-pub(super) async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionRecord, ApiError> {
+pub(super) async fn start(
+    ctx: Arc<Ctx>,
+    principal: Principal,
+    req: StartStep,
+) -> Result<ExecutionRecord, ApiError> {
     validate(&req)?;
-    let identity = authenticate(&ctx, &req.caller, "start step").await?;
+    let identity = authenticate(&ctx, &principal, &req.caller, "start step").await?;
     let placement = place(&ctx, identity, req.scope).await?;
     let step = req.id.clone().unwrap_or_default();
     let exec_id = ExecutionId::from(&step);
@@ -221,8 +226,17 @@ pub(super) async fn start(ctx: Arc<Ctx>, req: StartStep) -> Result<ExecutionReco
     Ok(record.redacted())
 }
 
-pub(super) async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, ApiError> {
+pub(super) async fn report(
+    ctx: Arc<Ctx>,
+    principal: Principal,
+    req: StepReport,
+) -> Result<ReportAck, ApiError> {
     let exec_id = ExecutionId::from(&req.step);
+    let caller = turnstile_shared::step_api::Caller {
+        session: None,
+        step: Some(req.step.clone()),
+        token: req.token.clone(),
+    };
     let record = registry::get(&ctx, &exec_id)
         .await
         .map_err(ApiError::internal)?;
@@ -230,14 +244,9 @@ pub(super) async fn report(ctx: Arc<Ctx>, req: StepReport) -> Result<ReportAck, 
         .as_ref()
         .and_then(|r| r.token.as_deref())
         .is_some_and(|t| same_secret(t, &req.token));
-    if !authentic {
-        let caller = turnstile_shared::step_api::Caller {
-            session: None,
-            step: Some(req.step.clone()),
-            token: req.token.clone(),
-        };
+    if !authentic || !principal.admits(&caller) {
         // Let authenticate build and record the refusal with its reason.
-        return match authenticate(&ctx, &caller, "report step").await {
+        return match authenticate(&ctx, &principal, &caller, "report step").await {
             Ok(_) => Err(ApiError::new(ErrorCode::Unauthorized, "report refused")),
             Err(e) => Err(e),
         };
@@ -396,8 +405,12 @@ async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, Api
     ))
 }
 
-pub(super) async fn status(ctx: Arc<Ctx>, req: StepStatus) -> Result<ExecutionRecord, ApiError> {
-    let identity = authenticate(&ctx, &req.caller, "step status").await?;
+pub(super) async fn status(
+    ctx: Arc<Ctx>,
+    principal: Principal,
+    req: StepStatus,
+) -> Result<ExecutionRecord, ApiError> {
+    let identity = authenticate(&ctx, &principal, &req.caller, "step status").await?;
     let record = registry::get(&ctx, &ExecutionId::from(&req.step))
         .await
         .map_err(ApiError::internal)?
@@ -413,8 +426,12 @@ pub(super) async fn status(ctx: Arc<Ctx>, req: StepStatus) -> Result<ExecutionRe
 }
 
 /// The caller session's steps, newest first (a scan of the registry; bounded).
-pub(super) async fn list(ctx: Arc<Ctx>, req: ListSteps) -> Result<Vec<ExecutionRecord>, ApiError> {
-    let identity = authenticate(&ctx, &req.caller, "list steps").await?;
+pub(super) async fn list(
+    ctx: Arc<Ctx>,
+    principal: Principal,
+    req: ListSteps,
+) -> Result<Vec<ExecutionRecord>, ApiError> {
+    let identity = authenticate(&ctx, &principal, &req.caller, "list steps").await?;
     let session = match &identity {
         Identity::Session(s) => s.id.clone(),
         Identity::Step(p) => p.session.clone(),

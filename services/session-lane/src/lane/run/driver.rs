@@ -12,6 +12,7 @@ use turnstile_shared::api::{self, ErrorCode};
 use turnstile_shared::delivery::{self, Completion};
 use turnstile_shared::events::EventKind;
 use turnstile_shared::kv::Change;
+use turnstile_shared::principal::Principal;
 use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::runs::{run_reason, MessageProgress, RunRecord, RunState};
 use turnstile_shared::step_api::ExecRef;
@@ -379,8 +380,13 @@ impl Driver<'_> {
             let req = ExecRef {
                 id: ExecutionId::from(turn),
             };
-            let r: Result<turnstile_shared::step_api::Cancelled, _> =
-                api::call(&self.ctx.client, subjects::api::EXEC_CANCEL, &req, API).await;
+            let r: Result<turnstile_shared::step_api::Cancelled, _> = api::call(
+                &self.ctx.client,
+                &Principal::Operator.exec(subjects::api::CANCEL),
+                &req,
+                API,
+            )
+            .await;
             match r {
                 Ok(c) if !c.cancelled.is_empty() => {
                     tracing::info!(run = %run.id, %turn, count = c.cancelled.len(), "cancelled the ended run's work")

@@ -9,6 +9,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use turnstile_shared::api;
 use turnstile_shared::delivery::Completion;
+use turnstile_shared::principal::Principal;
 use turnstile_shared::step_api::{ExecRef, TreeNode};
 use turnstile_shared::subjects;
 use turnstile_shared::{ExecutionId, TurnId};
@@ -63,7 +64,7 @@ impl Driver<'_> {
         loop {
             let tree: Option<TreeNode> = api::call(
                 &self.ctx.client,
-                subjects::api::EXEC_TREE,
+                &Principal::Operator.exec(subjects::api::TREE),
                 &ExecRef { id: id.clone() },
                 API,
             )

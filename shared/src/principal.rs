@@ -1,0 +1,148 @@
+//! Who an agent-facing API call acts for. The broker's step and exec subjects carry it
+//! (`ts.api.steps.<principal>.<verb>`), the NATS server lets an agent publish only on its own
+//! (its credentials are issued for one principal by the auth callout), and the broker checks
+//! that the credentials inside a request belong to the principal of the subject it came on.
+
+use std::fmt;
+
+use crate::api::ApiError;
+use crate::ids::{IdError, SessionId, StepId};
+use crate::step_api::Caller;
+use crate::subjects::api as subj;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Principal {
+    /// An agent's terminal and tools (`TURNSTILE_SESSION` + `TURNSTILE_TOKEN`).
+    Session(SessionId),
+    /// A step's process (`TURNSTILE_STEP` + `TURNSTILE_STEP_TOKEN`), or a worker reporting it.
+    Step(StepId),
+    /// Operators and services, on identities of their own (never an agent's).
+    Operator,
+}
+
+impl Principal {
+    /// The principal of an agent's or step's credentials (a step's win, as in
+    /// [`Caller::from_env`]).
+    pub fn of(caller: &Caller) -> Self {
+        match (&caller.step, &caller.session) {
+            (Some(step), _) => Self::Step(step.clone()),
+            (None, Some(session)) => Self::Session(session.clone()),
+            (None, None) => Self::Operator,
+        }
+    }
+
+    /// Reads the principal token of an agent-facing subject, `ts.api.<area>.<principal>.<verb>`.
+    pub fn from_subject(subject: &str) -> Result<Self, ApiError> {
+        let token = subject.split('.').nth(3).unwrap_or_default();
+        token.parse().map_err(|e: IdError| {
+            ApiError::bad_request(format!("subject {subject:?} names no principal: {e}"))
+        })
+    }
+
+    /// Whether a request's credentials may be used on this principal's subjects: an agent
+    /// presents its own, an operator's subjects take any (operators are trusted).
+    pub fn admits(&self, caller: &Caller) -> bool {
+        match self {
+            Self::Operator => true,
+            other => *other == Self::of(caller),
+        }
+    }
+
+    /// `ts.api.steps.<principal>.<verb>`.
+    pub fn steps(&self, verb: &str) -> String {
+        subj::steps(&self.to_string(), verb)
+    }
+
+    /// `ts.api.exec.<principal>.<verb>`.
+    pub fn exec(&self, verb: &str) -> String {
+        subj::exec(&self.to_string(), verb)
+    }
+}
+
+impl fmt::Display for Principal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Session(s) => write!(f, "{s}"),
+            Self::Step(s) => write!(f, "{s}"),
+            Self::Operator => f.write_str(subj::OPERATOR),
+        }
+    }
+}
+
+impl std::str::FromStr for Principal {
+    type Err = IdError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == subj::OPERATOR {
+            Ok(Self::Operator)
+        } else if s.starts_with(StepId::PREFIX) {
+            s.parse().map(Self::Step)
+        } else {
+            s.parse().map(Self::Session)
+        }
+    }
+}
+
+/// Connects a one-shot client that acts for `caller`: with the URL's credentials when it has
+/// them (an operator's or a worker's identity), else as the caller's own principal with its
+/// token as the password, which the auth callout of a deployment with agent identities checks
+/// (a server without authentication ignores both). Replies arrive under the principal's own
+/// inbox prefix, the only one its identity may subscribe to.
+pub async fn connect(
+    url: &str,
+    name: &str,
+    caller: Option<&Caller>,
+) -> Result<async_nats::Client, crate::config::StartError> {
+    let principal = caller.map(Principal::of);
+    let fallback = caller
+        .zip(principal.as_ref())
+        .map(|(c, p)| (p.to_string(), c.token.clone()));
+    let (bare, mut opts) = crate::config::options_or(url, name, fallback);
+    if let Some(p) = principal {
+        opts = opts.custom_inbox_prefix(subj::inbox(&p.to_string()));
+    }
+    opts.connect(bare.clone())
+        .await
+        .map_err(|source| crate::config::StartError::Connect { url: bare, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn principals_round_trip_through_their_subjects() {
+        for p in [
+            Principal::Session(SessionId::new()),
+            Principal::Step(StepId::new()),
+            Principal::Operator,
+        ] {
+            for subject in [p.steps(subj::START), p.exec(subj::TREE)] {
+                assert_eq!(
+                    Principal::from_subject(&subject),
+                    Ok(p.clone()),
+                    "{subject}"
+                );
+            }
+        }
+        assert!(Principal::from_subject("ts.api.steps.start").is_err());
+        assert!(Principal::from_subject("ts.api.steps.nobody.start").is_err());
+    }
+
+    #[test]
+    fn a_principal_admits_only_its_own_credentials() {
+        let s = SessionId::new();
+        let caller = |session: Option<SessionId>, step: Option<StepId>| Caller {
+            session,
+            step,
+            token: "t".into(),
+        };
+        let own = Principal::Session(s.clone());
+        assert!(own.admits(&caller(Some(s.clone()), None)));
+        assert!(!own.admits(&caller(Some(SessionId::new()), None)));
+        assert!(!own.admits(&caller(Some(s.clone()), Some(StepId::new()))));
+        let step = StepId::new();
+        assert!(Principal::Step(step.clone()).admits(&caller(None, Some(step))));
+        assert!(Principal::Operator.admits(&caller(Some(s), None)));
+    }
+}
