@@ -118,7 +118,7 @@ async fn run_step(
         .env("TURNSTILE_STEP_TOKEN", &item.token)
         // The server's address only: the step's process connects as the step itself, with
         // its token, never with this transport's identity.
-        .env("TURNSTILE_NATS_URL", &ctx.config.agent_nats_url())
+        .env("TURNSTILE_NATS_URL", ctx.config.agent_nats_url())
         .env_remove("TURNSTILE_SESSION")
         .env_remove("TURNSTILE_TOKEN")
         .stdin(Stdio::null())

@@ -2,6 +2,7 @@
 //! faults are real SIGKILLs), real tmux and the bundled mock agent. Rules cited as R1..R15.
 
 mod adapters;
+mod agents;
 mod bad_input;
 mod children;
 mod delivery;
