@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Subcommand;
 use turnstile_shared::config::TopologyArgs;
+use turnstile_shared::ids::HostName;
 use turnstile_shared::subjects;
 
 #[derive(Subcommand)]
@@ -33,6 +34,20 @@ pub enum AdminCommand {
         #[arg(long)]
         seed_file: PathBuf,
     },
+    /// Print the NATS server's configuration: a user per role and per transport host, each
+    /// allowed exactly its subjects, and the auth callout that issues agents' identities.
+    NatsConfig {
+        /// A host whose transport agent joins (repeat for each).
+        #[arg(long = "host")]
+        hosts: Vec<HostName>,
+        #[arg(long, default_value = "turnstile-nats")]
+        name: String,
+        #[arg(long, default_value = "0.0.0.0:4222")]
+        listen: String,
+        /// HTTP monitoring address; `none` for none.
+        #[arg(long, default_value = "0.0.0.0:8222")]
+        http: String,
+    },
 }
 
 pub async fn run(url: &str, cmd: AdminCommand) -> anyhow::Result<ExitCode> {
@@ -40,6 +55,20 @@ pub async fn run(url: &str, cmd: AdminCommand) -> anyhow::Result<ExitCode> {
         AdminCommand::Provision { topology, json } => provision(url, topology, json).await,
         AdminCommand::Issuer { seed_file } => {
             println!("{}", issuer(&seed_file)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        AdminCommand::NatsConfig {
+            hosts,
+            name,
+            listen,
+            http,
+        } => {
+            let settings = crate::nats_config::ServerSettings {
+                name,
+                listen,
+                http: (http != "none").then_some(http),
+            };
+            print!("{}", crate::nats_config::render(&settings, &hosts));
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -5,7 +5,8 @@
 //!
 //! - `ids`, `names`, `duration`, `retry`: typed ids with prefixes; enum names spelled once;
 //!   the one duration grammar; the one retry policy.
-//! - `subjects`: every stream, bucket, consumer and subject name (nothing else spells them).
+//! - `subjects`: every stream, bucket, consumer and subject name (nothing else spells them);
+//!   `permissions`: who may use which of them (the server config is written from it).
 //! - `envelope`: the versioned wire envelope (an unknown version is refused, R15).
 //! - `events`: the event-kind registry (`EventKind`) and the one publish path.
 //! - `api`: request/reply types, the error-code registry (`ErrorCode`) and the typed client;
@@ -33,6 +34,7 @@ pub mod ids;
 pub mod kv;
 pub mod lane;
 pub mod names;
+pub mod permissions;
 pub mod principal;
 pub mod records;
 pub mod retry;

@@ -74,7 +74,7 @@ fn step_request(caller: &Caller, name: &str) -> StartStep {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agents_credentials_reach_its_own_session_and_nothing_else() -> Result<()> {
-    let mut stack = Stack::start_deployed(&["a"], &["h1"]).await?;
+    let mut stack = Stack::start_deployed(&["a"], &["host-a"]).await?;
     let r = own_session_only(&mut stack).await;
     report(&stack, r)
 }
@@ -92,7 +92,7 @@ async fn own_session_only(stack: &mut Stack) -> Result<()> {
         format!("$JS.API.STREAM.DELETE.{}", subjects::LANE_STREAM),
         Principal::Session(other.clone()).steps(subj::START),
         Principal::Operator.exec(subj::CANCEL),
-        subjects::transport(&"h1".parse()?, "turn"),
+        subjects::transport(&"host-a".parse()?, "turn"),
     ] {
         agent.publish(subject.clone(), "{}".into()).await?;
         agent.flush().await?;
@@ -139,7 +139,7 @@ async fn own_session_only(stack: &mut Stack) -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_sessions_credentials_are_refused_within_seconds() -> Result<()> {
-    let mut stack = Stack::start_deployed(&["a"], &["h1"]).await?;
+    let mut stack = Stack::start_deployed(&["a"], &["host-a"]).await?;
     let r = stopped_session(&mut stack).await;
     report(&stack, r)
 }

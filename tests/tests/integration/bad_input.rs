@@ -105,8 +105,10 @@ async fn unreadable_transport_commands_are_refused_and_the_host_goes_on() -> Res
 async fn bad_command(stack: &mut Stack) -> Result<()> {
     let s = stack.create_session("on-h1", Some("h1")).await?;
     let host = "h1".parse()?;
+    // Put where only the session-lane may: the host's command queue.
     stack
-        .js
+        .js_as("session-lane")
+        .await?
         .publish(subjects::transport(&host, "turn"), "garbage".into())
         .await?
         .await?;
@@ -194,7 +196,8 @@ async fn bad_broker_input(stack: &mut Stack) -> Result<()> {
     ensure!(msg.contains("61"), "the error names the bad field: {msg}");
     // An unreadable end on the broker's durable queue.
     stack
-        .js
+        .js_as("notification-broker")
+        .await?
         .publish(
             subjects::step_ended(&turnstile_shared::StepId::new().into()),
             "{garbage".into(),

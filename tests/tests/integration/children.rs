@@ -58,7 +58,8 @@ async fn exact_tree(stack: &mut Stack) -> Result<()> {
             id: None,
         })
         .await?;
-    let env = vec![("TURNSTILE_NATS_URL".to_string(), stack.nats.url())];
+    // An external worker runs on an operator's identity (it takes work off the queue).
+    let env = vec![("TURNSTILE_NATS_URL".to_string(), stack.operator_url())];
     let mut worker = ServiceProcess::spawn_in(
         stack.dir.path(),
         "turnstile",
@@ -372,7 +373,7 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
     let forged = Completion::of(&stack.exec(&mine.id).await?.context("mine")?);
     let env = forged.envelope(&b)?.with_id("forged-completion");
     turnstile_shared::events::publish_durable(
-        &stack.js,
+        &stack.js_as("notification-broker").await?,
         turnstile_shared::subjects::completion(&b, &mine.id),
         &env,
         None,

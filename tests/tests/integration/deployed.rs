@@ -1,7 +1,8 @@
 //! The shipped `deploy/nats-server.conf` runs a whole deployment: provisioning with the admin
 //! user, and every service, the agents and the test's own CLI client on their own users with
 //! the permissions the file gives them. A service that starts using a subject its user may not
-//! use fails here, so the file cannot go stale unnoticed.
+//! use fails here, so the file cannot go stale unnoticed; and the file is the output of
+//! `turnstile admin nats-config`, the generator every other test's server config comes from.
 
 use std::time::Duration;
 
@@ -17,7 +18,7 @@ use crate::stack::{report, schedule, Stack};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_server_config_serves_every_service_on_its_own_user() -> Result<()> {
-    let mut stack = Stack::start_deployed(&["a"], &["h1"]).await?;
+    let mut stack = Stack::start_deployed(&["a"], &["host-a"]).await?;
     let r = whole_deployment(&mut stack).await;
     report(&stack, r)
 }
@@ -70,7 +71,7 @@ async fn whole_deployment(stack: &mut Stack) -> Result<()> {
 /// Each refusal is the server's permission error, seen by the client that tried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deployed_users_are_refused_what_they_may_not_do() -> Result<()> {
-    let mut stack = Stack::start_deployed(&["a"], &["h1"]).await?;
+    let mut stack = Stack::start_deployed(&["a"], &["host-a"]).await?;
     let r = refusals(&mut stack).await;
     report(&stack, r)
 }
@@ -106,7 +107,7 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
     let before = permission_refusals();
     let service_way = connect_once(
         &stack.nats.url_as("observer", &stack.password("observer")?),
-        "probe",
+        "test-probe",
     )
     .await?;
     service_way.publish("ts.lane.forged", "x".into()).await?;
@@ -128,5 +129,54 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
     ensure!(!matches!(attempt, Ok(Ok(_))), "the broker deleted a stream");
     refused(&mut broker_errors, "$JS.API.STREAM.DELETE.TS_LANE").await?;
     stack.js.get_stream(subjects::LANE_STREAM).await?;
+
+    // A transport agent cannot read another host's commands: not by pulling from that host's
+    // consumer, not with a consumer of its own on the stream, not by reading the stream's
+    // messages, not on the core subjects.
+    let (transport, mut transport_errors) = stack.connect_as("transport-host-a").await?;
+    let other: turnstile_shared::ids::HostName = "host-b".parse()?;
+    let stream = subjects::TRANSPORT_STREAM;
+    let pull = format!(
+        "$JS.API.CONSUMER.MSG.NEXT.{stream}.{}",
+        subjects::transport_consumer(&other)
+    );
+    let own_consumer = format!("$JS.API.CONSUMER.CREATE.{stream}.spy.ts.transport.host-b.>");
+    let read = format!("$JS.API.DIRECT.GET.{stream}");
+    for subject in [pull, own_consumer, read] {
+        transport.publish(subject.clone(), "{}".into()).await?;
+        transport.flush().await?;
+        refused(&mut transport_errors, &subject).await?;
+    }
+    let core = subjects::transport_host_all(&other);
+    let _sub = transport.subscribe(core.clone()).await?;
+    transport.flush().await?;
+    refused(&mut transport_errors, &core).await?;
+    Ok(())
+}
+
+/// The shipped config is the generator's output for its hosts, so it cannot drift from the
+/// permission table (and the table is what every other test runs on).
+#[test]
+fn the_shipped_server_config_is_the_generators_output() -> Result<()> {
+    let mut args = vec!["admin", "nats-config"];
+    for h in crate::stack::SHIPPED_HOSTS {
+        args.extend(["--host", h]);
+    }
+    let out = std::process::Command::new(turnstile_tests::bin_path("turnstile")?)
+        .args(&args)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let shipped = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats-server.conf"),
+    )?;
+    ensure!(
+        shipped == String::from_utf8(out.stdout)?,
+        "deploy/nats-server.conf is not `turnstile {}`: run it again",
+        args.join(" ")
+    );
     Ok(())
 }

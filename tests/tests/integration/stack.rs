@@ -11,6 +11,8 @@ use turnstile_shared::api::ErrorCode;
 use turnstile_shared::api::{self, CreateSession, SendTurn, SessionRef, SessionView};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::ExecutionRecord;
+use turnstile_shared::ids::HostName;
+use turnstile_shared::permissions::Role;
 use turnstile_shared::principal::Principal;
 use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord};
 use turnstile_shared::step_api::{Caller, ExecRef, StartStep, TreeNode};
@@ -31,24 +33,27 @@ pub struct Stack {
     pub js: async_nats::jetstream::Context,
     overrides: Vec<(String, String)>,
     /// With the shipped server config: each role's password (services, admin, cli).
-    passwords: HashMap<&'static str, String>,
+    passwords: HashMap<String, String>,
     /// A TLS stack's certificates, removed with the stack.
     certs: Option<tempfile::TempDir>,
     /// A deployed stack's auth callout issuer seed (the broker signs agents' identities).
     issuer_seed: Option<(tempfile::TempDir, PathBuf)>,
 }
 
-/// The users of `deploy/nats-server.conf` and the variables holding their passwords.
-const DEPLOYED_USERS: [(&str, &str); 8] = [
-    ("session-lane", "TS_LANE_PASSWORD"),
-    ("transport-agent", "TS_TRANSPORT_PASSWORD"),
-    ("notification-broker", "TS_BROKER_PASSWORD"),
-    ("scheduler", "TS_SCHEDULER_PASSWORD"),
-    ("cli", "TS_CLI_PASSWORD"),
-    ("admin", "TS_ADMIN_PASSWORD"),
-    ("observer", "TS_OBSERVER_PASSWORD"),
-    ("revoker", "TS_REVOKER_PASSWORD"),
-];
+/// The hosts of the shipped `deploy/nats-server.conf` (`turnstile admin nats-config --host
+/// host-a --host host-b`).
+pub const SHIPPED_HOSTS: [&str; 2] = ["host-a", "host-b"];
+
+/// The hosts every generated test config has users for (tests start more later).
+const TEST_HOSTS: [&str; 3] = ["h1", "h2", "h3"];
+
+/// Which server configuration a stack runs.
+enum ServerConfig {
+    /// The shipped `deploy/nats-server.conf`.
+    Shipped,
+    /// `turnstile admin nats-config` for these hosts.
+    Generated(Vec<String>),
+}
 
 impl Stack {
     /// nats-server, the given session-lane replicas and transport hosts.
@@ -62,50 +67,76 @@ impl Stack {
         hosts: &[&str],
         overrides: &[(&str, &str)],
     ) -> Result<Stack> {
-        let mut stack = Self::bare(overrides).await?;
+        let mut all: Vec<String> = TEST_HOSTS.iter().map(|h| h.to_string()).collect();
+        for h in hosts {
+            if !all.iter().any(|a| a == h) {
+                all.push(h.to_string());
+            }
+        }
+        let mut stack = Self::with_identities(ServerConfig::Generated(all), overrides).await?;
         stack.deploy(replicas, hosts).await?;
         Ok(stack)
     }
 
-    /// Like [`Stack::start`], on a nats-server running the shipped `deploy/nats-server.conf`:
-    /// every service, the provisioning and the test's own client (the `cli` user) connect as
-    /// their own users with their own permissions.
+    /// Like [`Stack::start`], on a nats-server running the shipped `deploy/nats-server.conf`
+    /// (its hosts are [`SHIPPED_HOSTS`]).
     pub async fn start_deployed(replicas: &[&str], hosts: &[&str]) -> Result<Stack> {
-        let passwords: HashMap<&'static str, String> = DEPLOYED_USERS
-            .iter()
-            .map(|(user, _)| (*user, turnstile_shared::ids::new_secret()))
-            .collect();
-        // The account key that signs agents' identities, made as an operator makes it.
-        let keys = tempfile::Builder::new().prefix("ts-keys-").tempdir()?;
-        let seed = keys.path().join("issuer.nk");
-        let out = std::process::Command::new(bin_path("turnstile")?)
-            .args(["admin", "issuer", "--seed-file"])
-            .arg(&seed)
-            .output()
-            .context("run turnstile admin issuer")?;
-        ensure!(
-            out.status.success(),
-            "turnstile admin issuer: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let issuer = String::from_utf8(out.stdout)?.trim().to_string();
-        let mut env: Vec<(String, String)> = DEPLOYED_USERS
-            .iter()
-            .map(|(user, var)| (var.to_string(), passwords[user].clone()))
-            .collect();
-        env.push(("TS_AUTH_ISSUER".to_string(), issuer));
-        let config =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats-server.conf");
-        let nats = NatsServer::start_with_config(
-            &config,
-            env,
-            Some(("cli".to_string(), passwords["cli"].clone())),
-            Vec::new(),
-        )
-        .await?;
-        let mut stack = Self::assemble(nats, &[], passwords).await?;
-        stack.issuer_seed = Some((keys, seed));
+        let mut stack = Self::with_identities(ServerConfig::Shipped, &[]).await?;
         stack.deploy(replicas, hosts).await?;
+        Ok(stack)
+    }
+
+    /// A nats-server with a deployment's identities, nothing provisioned or started: every
+    /// service, the provisioning and the test's own client (the `cli` user) connect as their
+    /// own users with the permissions `shared/src/permissions.rs` gives them; agents get
+    /// identities from the broker's auth callout, which signs with a key made here as an
+    /// operator makes it.
+    async fn with_identities(config: ServerConfig, overrides: &[(&str, &str)]) -> Result<Stack> {
+        let keys = tempfile::Builder::new().prefix("ts-keys-").tempdir()?;
+        let turnstile = |args: &[&str]| -> Result<String> {
+            let out = std::process::Command::new(bin_path("turnstile")?)
+                .args(args)
+                .output()
+                .with_context(|| format!("run turnstile {args:?}"))?;
+            ensure!(
+                out.status.success(),
+                "turnstile {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            Ok(String::from_utf8(out.stdout)?)
+        };
+        let seed = keys.path().join("issuer.nk");
+        let issuer = turnstile(&["admin", "issuer", "--seed-file", &seed.to_string_lossy()])?;
+        let (path, hosts) = match config {
+            ServerConfig::Shipped => (
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats-server.conf"),
+                SHIPPED_HOSTS.iter().map(|h| h.to_string()).collect(),
+            ),
+            ServerConfig::Generated(hosts) => {
+                let mut args = vec!["admin", "nats-config", "--http", "none"];
+                for h in &hosts {
+                    args.extend(["--host", h.as_str()]);
+                }
+                let path = keys.path().join("nats-server.conf");
+                std::fs::write(&path, turnstile(&args)?)?;
+                (path, hosts)
+            }
+        };
+        let hosts: Vec<HostName> = hosts.iter().map(|h| h.parse()).collect::<Result<_, _>>()?;
+        let roles = Role::all(&hosts);
+        let passwords: HashMap<String, String> = roles
+            .iter()
+            .map(|r| (r.user(), turnstile_shared::ids::new_secret()))
+            .collect();
+        let mut env: Vec<(String, String)> = roles
+            .iter()
+            .map(|r| (r.password_var(), passwords[&r.user()].clone()))
+            .collect();
+        env.push(("TS_AUTH_ISSUER".to_string(), issuer.trim().to_string()));
+        let cli = Some(("cli".to_string(), passwords["cli"].clone()));
+        let nats = NatsServer::start_with_config(&path, env, cli, Vec::new()).await?;
+        let mut stack = Self::assemble(nats, overrides, passwords).await?;
+        stack.issuer_seed = Some((keys, seed));
         Ok(stack)
     }
 
@@ -153,16 +184,17 @@ impl Stack {
         Ok(())
     }
 
-    /// A nats-server and nothing else: not provisioned, no service started.
+    /// A nats-server with the test identities and nothing else: not provisioned, no service
+    /// started.
     pub async fn bare(overrides: &[(&str, &str)]) -> Result<Stack> {
-        let nats = NatsServer::start().await?;
-        Self::assemble(nats, overrides, HashMap::new()).await
+        let hosts = TEST_HOSTS.iter().map(|h| h.to_string()).collect();
+        Self::with_identities(ServerConfig::Generated(hosts), overrides).await
     }
 
     async fn assemble(
         nats: NatsServer,
         overrides: &[(&str, &str)],
-        passwords: HashMap<&'static str, String>,
+        passwords: HashMap<String, String>,
     ) -> Result<Stack> {
         turnstile_tests::init_tracing();
         let client = nats.client().await?;
@@ -230,6 +262,20 @@ impl Stack {
             .await
             .with_context(|| format!("connect as {role}"))?;
         Ok((client, rx))
+    }
+
+    /// JetStream as `role` (e.g. to put a forged message where only that service may).
+    pub async fn js_as(&self, role: &str) -> Result<async_nats::jetstream::Context> {
+        let (client, _) = self.connect_as(role).await?;
+        Ok(async_nats::jetstream::new(client))
+    }
+
+    /// The operator's URL (the `cli` user), for a worker or a tool run by the test.
+    pub fn operator_url(&self) -> String {
+        match self.passwords.get("cli") {
+            Some(pw) => self.nats.url_as("cli", pw),
+            None => self.nats.url(),
+        }
     }
 
     /// `role`'s password in a stack on the shipped config.
@@ -410,7 +456,7 @@ impl Stack {
             self.dir.path(),
             "turnstile-transport-agent",
             &args,
-            &self.env_as("transport-agent"),
+            &self.env_as(&Role::Transport(host.parse()?).user()),
             &format!("transport-{host}"),
         )?;
         self.transports.insert(host.to_string(), p);
@@ -654,10 +700,36 @@ impl Drop for Stack {
 
 /// Passes a scenario's result through, printing every service's log tail if it failed.
 pub fn report(stack: &Stack, r: Result<()>) -> Result<()> {
+    // Every service runs on its least-privilege identity: a permission the server refused one
+    // of them fails the test, whatever else it checked (a stale permission table).
+    let r = r.and_then(|()| {
+        let refused = stack.service_refusals();
+        ensure!(
+            refused.is_empty(),
+            "the server refused a service a permission:\n{}",
+            refused.join("\n")
+        );
+        Ok(())
+    });
     if r.is_err() {
         eprintln!("{}", stack.logs());
     }
     r
+}
+
+impl Stack {
+    /// The server's permission violations by a service's connection (named by the service;
+    /// tests' own probes connect unnamed or as `test-…`).
+    pub fn service_refusals(&self) -> Vec<String> {
+        self.nats
+            .log_tail(1_000_000)
+            .lines()
+            .filter(|l| {
+                l.contains("Violation") && l.contains(":rust:") && !l.contains(":rust:test-")
+            })
+            .map(str::to_string)
+            .collect()
+    }
 }
 
 /// Counts how often each message appears in a transcript.

@@ -1,0 +1,302 @@
+//! Who may use which subjects on the NATS server: one grant per role, spelled with the names in
+//! [`crate::subjects`]. `turnstile admin nats-config` writes the server's configuration from
+//! this table (`deploy/nats-server.conf` is its output, checked by a test), and every
+//! integration test runs each service on the identity it gives, so a service that starts
+//! using a subject without its grant fails a test. Agents are not here: their identities are
+//! issued per session by the auth callout (`subjects::api::agent_publish`).
+
+use crate::ids::HostName;
+use crate::subjects::{self, api as subj};
+
+/// The account every service, operator and agent identity lives in.
+pub const ACCOUNT: &str = "TURNSTILE";
+/// The system account, where the broker's revoker ends stopped sessions' connections.
+pub const SYSTEM_ACCOUNT: &str = "SYS";
+
+/// One identity of the server's config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    SessionLane,
+    /// One per host: it may take only its own host's commands and step work.
+    Transport(HostName),
+    Broker,
+    Scheduler,
+    /// Runs `turnstile admin provision`.
+    Admin,
+    /// Follows events and discovers services; publishes nothing.
+    Observer,
+    /// The operator's CLI.
+    Cli,
+    /// The broker's system identity: lists and ends connections.
+    Revoker,
+}
+
+/// What a role may publish and subscribe to. Everything else is refused by the server.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grant {
+    pub publish: Vec<String>,
+    pub publish_deny: Vec<String>,
+    pub subscribe: Vec<String>,
+}
+
+/// Stream management no service or operator identity has (only `admin`).
+const STREAM_ADMIN: [&str; 3] = [
+    "$JS.API.STREAM.CREATE.>",
+    "$JS.API.STREAM.UPDATE.>",
+    "$JS.API.STREAM.DELETE.>",
+];
+
+/// What a JetStream client with the whole API needs besides its own subjects.
+const JETSTREAM_CLIENT: [&str; 5] = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "$KV.>", "_INBOX.>"];
+
+fn owned(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+impl Role {
+    /// Every role of a deployment whose transport agents run on `hosts`.
+    pub fn all(hosts: &[HostName]) -> Vec<Role> {
+        let mut roles = vec![Role::SessionLane];
+        roles.extend(hosts.iter().cloned().map(Role::Transport));
+        roles.extend([
+            Role::Broker,
+            Role::Scheduler,
+            Role::Admin,
+            Role::Observer,
+            Role::Cli,
+            Role::Revoker,
+        ]);
+        roles
+    }
+
+    /// The user name in the server's config.
+    pub fn user(&self) -> String {
+        match self {
+            Role::SessionLane => "session-lane".into(),
+            Role::Transport(h) => format!("transport-{h}"),
+            Role::Broker => "notification-broker".into(),
+            Role::Scheduler => "scheduler".into(),
+            Role::Admin => "admin".into(),
+            Role::Observer => "observer".into(),
+            Role::Cli => "cli".into(),
+            Role::Revoker => "revoker".into(),
+        }
+    }
+
+    /// The environment variable of the nats-server process that holds its password.
+    pub fn password_var(&self) -> String {
+        let name = match self {
+            Role::SessionLane => "LANE".to_string(),
+            Role::Transport(h) => format!("TRANSPORT_{h}"),
+            Role::Broker => "BROKER".into(),
+            other => other.user(),
+        };
+        let name: String = name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_uppercase()
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        format!("TS_{name}_PASSWORD")
+    }
+
+    pub fn account(&self) -> &'static str {
+        match self {
+            Role::Revoker => SYSTEM_ACCOUNT,
+            _ => ACCOUNT,
+        }
+    }
+
+    /// What this role is for, as the config's comment says it.
+    pub fn purpose(&self) -> String {
+        match self {
+            Role::SessionLane => "the session and runs APIs, lanes, turn dispatch, runs".into(),
+            Role::Transport(h) => format!(
+                "the transport agent of host {h}: its own commands and command steps, turn \
+                 records, its heartbeat, step reports"
+            ),
+            Role::Broker => "the steps and exec APIs, the execution tree, completion \
+                 routing, background agents, and agents' identities (auth callout)"
+                .into(),
+            Role::Scheduler => "the schedules API, slot claims, runs fired".into(),
+            Role::Admin => "`turnstile admin provision`: creates and updates streams and \
+                 buckets; nothing else"
+                .into(),
+            Role::Observer => "follows lifecycle events and discovers services; publishes \
+                 nothing"
+                .into(),
+            Role::Cli => "the operator's `turnstile` CLI (and the `nats` CLI)".into(),
+            Role::Revoker => "the broker's system identity: lists a stopped session's \
+                 connections and ends them"
+                .into(),
+        }
+    }
+
+    pub fn grant(&self) -> Grant {
+        let service = |own: &[String], subscribe: &[String]| Grant {
+            publish: owned(&JETSTREAM_CLIENT)
+                .into_iter()
+                .chain(own.iter().cloned())
+                .collect(),
+            publish_deny: owned(&STREAM_ADMIN),
+            subscribe: std::iter::once("_INBOX.>".to_string())
+                .chain(subscribe.iter().cloned())
+                .collect(),
+        };
+        let op_exec = subj::exec(subj::OPERATOR, "*");
+        match self {
+            Role::SessionLane => service(
+                &[
+                    "ts.lane.>".into(),
+                    subjects::TRANSPORT_ALL.into(),
+                    subjects::EVENTS_ALL.into(),
+                    subjects::DEADLETTER_ALL.into(),
+                    op_exec,
+                    "ts.control.run.>".into(),
+                ],
+                &[
+                    format!("{}.>", subj::SESSION_GROUP),
+                    format!("{}.>", subj::RUNS_GROUP),
+                    "$SRV.>".into(),
+                    subjects::session_event("*", "step.>"),
+                    "ts.control.run.>".into(),
+                    "ts.control.progress.>".into(),
+                ],
+            ),
+            Role::Transport(host) => transport(host),
+            Role::Broker => {
+                let mut g = service(
+                    &[
+                        subjects::COMPLETION_ALL.into(),
+                        subjects::STEP_ALL.into(),
+                        "ts.lane.>".into(),
+                        subjects::EVENTS_ALL.into(),
+                        subjects::DEADLETTER_ALL.into(),
+                        format!("{}.>", subj::SESSION_GROUP),
+                        format!("{}.>", subj::RUNS_GROUP),
+                        "ts.control.step.>".into(),
+                        "ts.control.progress.>".into(),
+                        // Answers to auth callouts go to the server's own reply inbox.
+                        "$SYS._INBOX.>".into(),
+                    ],
+                    &[
+                        format!("{}.>", subj::STEPS_GROUP),
+                        format!("{}.>", subj::EXEC_GROUP),
+                        "$SRV.>".into(),
+                        subj::AUTH_CALLOUT.into(),
+                        subjects::session_event(
+                            "*",
+                            crate::events::EventKind::SessionStopped.as_str(),
+                        ),
+                    ],
+                );
+                g.subscribe.sort();
+                g
+            }
+            Role::Scheduler => service(
+                &[
+                    subjects::EVENTS_ALL.into(),
+                    format!("{}.>", subj::RUNS_GROUP),
+                ],
+                &[
+                    format!("{}.>", subj::SCHEDULES_GROUP),
+                    "$SRV.>".into(),
+                    subjects::ALL_RUN_EVENTS.into(),
+                ],
+            ),
+            Role::Admin => Grant {
+                publish: owned(&["$JS.API.>", "_INBOX.>"]),
+                publish_deny: Vec::new(),
+                subscribe: owned(&["_INBOX.>"]),
+            },
+            Role::Observer => Grant {
+                publish: Vec::new(),
+                publish_deny: owned(&[">"]),
+                subscribe: owned(&[subjects::EVENTS_ALL, "$SRV.>", "_INBOX.>"]),
+            },
+            Role::Cli => service(
+                &["ts.api.>".into(), "ts.lane.>".into(), "$SRV.>".into()],
+                &[subjects::EVENTS_ALL.into()],
+            ),
+            Role::Revoker => Grant {
+                publish: vec![subj::SERVER_CONNZ.into(), subj::server_kick("*")],
+                publish_deny: Vec::new(),
+                subscribe: owned(&["_INBOX.>"]),
+            },
+        }
+    }
+}
+
+/// A transport agent: the JetStream API only for its own host's consumers (so it cannot read
+/// another host's commands or step work), stream and bucket info, reads and writes of turn
+/// records and its own heartbeat.
+fn transport(host: &HostName) -> Grant {
+    let mut publish = vec![
+        "$JS.API.INFO".to_string(),
+        "$JS.API.STREAM.INFO.*".to_string(),
+    ];
+    for (stream, consumer) in [
+        (
+            subjects::TRANSPORT_STREAM,
+            subjects::transport_consumer(host),
+        ),
+        (subjects::STEP_STREAM, subjects::step_command_consumer(host)),
+    ] {
+        publish.extend([
+            format!("$JS.API.CONSUMER.CREATE.{stream}.{consumer}"),
+            format!("$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>"),
+            format!("$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}"),
+            format!("$JS.API.CONSUMER.INFO.{stream}.{consumer}"),
+            format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"),
+            format!("$JS.ACK.{stream}.{consumer}.>"),
+        ]);
+    }
+    for bucket in [
+        subjects::TURNS_BUCKET,
+        subjects::SESSIONS_BUCKET,
+        subjects::HOSTS_BUCKET,
+    ] {
+        publish.push(format!("$JS.API.DIRECT.GET.KV_{bucket}.>"));
+    }
+    publish.extend([
+        format!("$KV.{}.>", subjects::TURNS_BUCKET),
+        // The conversation id a launch learns is kept on the session's record.
+        format!("$KV.{}.>", subjects::SESSIONS_BUCKET),
+        format!("$KV.{}.{host}", subjects::HOSTS_BUCKET),
+        subjects::EVENTS_ALL.to_string(),
+        subjects::transport_deadletter(host),
+        subj::steps("*", subj::REPORT),
+    ]);
+    Grant {
+        publish,
+        publish_deny: Vec::new(),
+        subscribe: vec!["_INBOX.>".into(), "ts.control.step.>".into()],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_host_has_its_own_user_and_only_its_own_consumers() {
+        let a: HostName = "build-a".parse().expect("host");
+        let b: HostName = "b".parse().expect("host");
+        let roles = Role::all(&[a.clone(), b.clone()]);
+        let users: Vec<String> = roles.iter().map(Role::user).collect();
+        assert!(users.contains(&"transport-build-a".to_string()));
+        assert_eq!(
+            Role::Transport(a.clone()).password_var(),
+            "TS_TRANSPORT_BUILD_A_PASSWORD"
+        );
+        let grant = Role::Transport(a).grant();
+        let all = grant.publish.join(" ");
+        assert!(all.contains("transport_build-a"));
+        assert!(!all.contains("transport_b"), "{all}");
+        assert!(!grant.publish.iter().any(|p| p == "$JS.API.>"));
+    }
+}
