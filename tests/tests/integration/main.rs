@@ -7,6 +7,7 @@ mod bad_input;
 mod children;
 mod delivery;
 mod deployed;
+mod dev;
 mod faults;
 mod hosts;
 mod house;

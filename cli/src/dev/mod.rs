@@ -1,5 +1,9 @@
 //! `turnstile dev`: a local nats-server and every service in this process, plus a demo session
-//! on the mock agent whose lifecycle is printed as it happens.
+//! on the mock agent whose lifecycle is printed as it happens. It runs with a deployment's
+//! accounts ([`identities`]): every service on its own user, agents on identities from the
+//! broker's auth callout, the operator's credentials in a file whose path it prints.
+
+mod identities;
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
@@ -8,6 +12,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ApiError, CreateSession, ErrorCode, SendTurn};
+use turnstile_shared::permissions::{Role, ACCOUNT};
 use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord};
 use turnstile_shared::schedules::{ScheduleRecord, ScheduleSpec};
 use turnstile_shared::subjects::api as subj;
@@ -38,35 +43,57 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
     turnstile_shared::telemetry::init_with_default("warn");
     let data_dir = std::path::absolute(&args.data_dir).context("resolve --data-dir")?;
     std::fs::create_dir_all(&data_dir).with_context(|| format!("create {}", data_dir.display()))?;
-    let mut nats = start_nats(&data_dir, args.port).await?;
-    let url = format!("nats://127.0.0.1:{}", args.port);
-    println!("NATS: {url}");
+    let host: HostName = "local".parse().context("host name")?;
+    let ids = identities::Identities::load(&data_dir, args.port, &host)?;
+    let mut nats = start_nats(&data_dir, args.port, &ids).await?;
+    let operator = ids.url(&Role::Cli)?;
+    println!(
+        "NATS: nats://127.0.0.1:{} (operator credentials: {}; `set -a; . {}; set +a` in \
+         another shell, then `turnstile session list`)",
+        args.port,
+        ids.operator_env.display(),
+        ids.operator_env.display()
+    );
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
 
-    let client = async_nats::connect(&url)
+    let client = turnstile_shared::config::connect_once(&operator, "turnstile-dev")
         .await
         .context("connect to local NATS")?;
-    // The deployment's provisioning step (`turnstile admin provision`), before the services
-    // start: they only bind the topology.
-    let js = async_nats::jetstream::new(client.clone());
-    turnstile_shared::topology::provision(&js, &Default::default())
+    // The deployment's provisioning step (`turnstile admin provision`, as `admin`), before the
+    // services start: they only bind the topology.
+    let admin = turnstile_shared::config::connect_once(&ids.url(&Role::Admin)?, "turnstile-admin")
         .await
-        .context("provision the topology")?;
+        .context("connect as admin")?;
+    turnstile_shared::topology::provision(
+        &async_nats::jetstream::new(admin.clone()),
+        &Default::default(),
+    )
+    .await
+    .context("provision the topology")?;
+    let _ = admin.drain().await;
 
-    let mut lane = turnstile_session_lane::Config::new(url.clone());
+    let mut lane = turnstile_session_lane::Config::new(ids.url(&Role::SessionLane)?);
     lane.replica = "dev".to_string();
-    let host: HostName = "local".parse().context("host name")?;
-    let mut transport =
-        turnstile_transport_agent::Config::new(url.clone(), host, data_dir.join("transport-local"));
+    let mut transport = turnstile_transport_agent::Config::new(
+        ids.url(&Role::Transport(host.clone()))?,
+        host,
+        data_dir.join("transport-local"),
+    );
     transport.mock_state_dir = data_dir.join("mock-agent");
     if let Ok(exe) = std::env::current_exe() {
         transport.agent_bin = exe;
     }
     let services = tokio::spawn({
         let shutdown = shutdown.clone();
-        let broker = turnstile_notification_broker::Config::new(url.clone());
-        let scheduler = turnstile_scheduler::Config::new(url.clone());
+        let mut broker = turnstile_notification_broker::Config::new(ids.url(&Role::Broker)?);
+        broker.callout = Some(turnstile_notification_broker::CalloutConfig {
+            issuer_seed: ids.issuer_seed.clone(),
+            account: ACCOUNT.to_string(),
+            ttl: Duration::from_secs(3600),
+            system_url: Some(ids.url(&Role::Revoker)?),
+        });
+        let scheduler = turnstile_scheduler::Config::new(ids.url(&Role::Scheduler)?);
         async move {
             let (a, b, c, d) = tokio::join!(
                 turnstile_session_lane::run(lane, shutdown.clone()),
@@ -91,7 +118,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<ExitCode> {
     println!(
         "services: session-lane, transport-agent (host local), notification-broker, scheduler"
     );
-    println!("events (also: turnstile events --nats {url}):");
+    println!("events (also: turnstile events, with the operator credentials):");
     let printer = tokio::spawn({
         let client = client.clone();
         async move {
@@ -199,15 +226,23 @@ async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
 const DEMO_SCHEDULED: &str =
     "run the scheduled checks\n!step lint 2s --scope run\n!step test 3s --scope run\n!sleep 4s";
 
-/// nats-server from PATH or `.tools/bin`, on `port`, its store under `data_dir`.
-async fn start_nats(data_dir: &Path, port: u16) -> anyhow::Result<tokio::process::Child> {
+/// nats-server from PATH or `.tools/bin`, on 127.0.0.1:`port` with the dev identities' config,
+/// its store under `data_dir`.
+async fn start_nats(
+    data_dir: &Path,
+    port: u16,
+    ids: &identities::Identities,
+) -> anyhow::Result<tokio::process::Child> {
     let bin =
         find_nats_server().context("no nats-server found: run scripts/install-nats-server.sh")?;
     let log = std::fs::File::create(data_dir.join("nats-server.log"))
         .context("create nats-server.log")?;
     let mut child = tokio::process::Command::new(&bin)
+        .arg("-c")
+        .arg(&ids.config)
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
         .arg(data_dir.join("nats"))
+        .envs(ids.server_env.iter().map(|(k, v)| (k, v)))
         .stdout(Stdio::from(log.try_clone()?))
         .stderr(Stdio::from(log))
         .kill_on_drop(true)
