@@ -21,19 +21,19 @@ use turnstile_shared::step_api::{
 use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::topology::{self, TopologyConfig};
 
+use crate::deployment::Deployment;
 use crate::inproc::{create_sessions, start_broker, start_lane, start_transport};
 
 const CALL: Duration = Duration::from_secs(10);
 const WARMUP: usize = 20;
 
-pub async fn measure(nats: &turnstile_tests::NatsServer, n: usize) -> Result<serde_json::Value> {
-    let url = nats.url();
-    let client = nats.client().await?;
+pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
+    let client = Deployment::connect(&d.operator).await?;
     let js = async_nats::jetstream::new(client.clone());
     let dir = tempfile::tempdir()?;
-    let lane = start_lane(&url);
-    let broker = start_broker(&url);
-    let transport = start_transport(&url, dir.path())?;
+    let lane = start_lane(&d.lane);
+    let broker = start_broker(&d.broker, d.callout.clone());
+    let transport = start_transport(&d.transport, dir.path())?;
     let session = create_sessions(&client, 1).await?.remove(0);
     let kv = js.get_key_value(subjects::SESSIONS_BUCKET).await?;
     let record: SessionRecord =

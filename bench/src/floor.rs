@@ -7,13 +7,15 @@ use anyhow::{Context, Result};
 use async_nats::jetstream::{consumer, stream};
 use futures::StreamExt;
 
-pub async fn measure(nats: &turnstile_tests::NatsServer, n: usize) -> Result<serde_json::Value> {
-    let client = nats.client().await?;
+use crate::deployment::{Deployment, FLOOR_STREAM, FLOOR_SUBJECT};
+
+pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
+    let client = Deployment::connect(&d.floor).await?;
     let js = async_nats::jetstream::new(client);
     let s = js
         .create_stream(stream::Config {
-            name: "BENCH_FLOOR".into(),
-            subjects: vec!["bench.floor".into()],
+            name: FLOOR_STREAM.into(),
+            subjects: vec![FLOOR_SUBJECT.into()],
             retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::File,
             ..Default::default()
@@ -31,7 +33,7 @@ pub async fn measure(nats: &turnstile_tests::NatsServer, n: usize) -> Result<ser
     let mut samples = Vec::with_capacity(n);
     for i in 0..n + 100 {
         let t0 = Instant::now();
-        js.publish("bench.floor", "x".into()).await?.await?;
+        js.publish(FLOOR_SUBJECT, "x".into()).await?.await?;
         let msg = messages.next().await.context("floor stream ended")??;
         msg.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
         if i >= 100 {

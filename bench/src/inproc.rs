@@ -39,7 +39,8 @@ pub fn start_lane(url: &str) -> Running {
 
 pub fn start_transport(url: &str, dir: &std::path::Path) -> Result<Running> {
     let cancel = CancellationToken::new();
-    let config = turnstile_transport_agent::Config::new(url, "bench".parse()?, dir.to_path_buf());
+    let host = crate::deployment::HOST.parse()?;
+    let config = turnstile_transport_agent::Config::new(url, host, dir.to_path_buf());
     let task = tokio::spawn({
         let cancel = cancel.clone();
         async move {
@@ -51,9 +52,13 @@ pub fn start_transport(url: &str, dir: &std::path::Path) -> Result<Running> {
     Ok(Running { cancel, task })
 }
 
-pub fn start_broker(url: &str) -> Running {
+pub fn start_broker(
+    url: &str,
+    callout: Option<turnstile_notification_broker::CalloutConfig>,
+) -> Running {
     let cancel = CancellationToken::new();
-    let config = turnstile_notification_broker::Config::new(url);
+    let mut config = turnstile_notification_broker::Config::new(url);
+    config.callout = callout;
     let task = tokio::spawn({
         let cancel = cancel.clone();
         async move {

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+use crate::deployment::Deployment;
 use crate::inproc::{create_sessions, start_lane, start_transport};
 use futures::StreamExt;
 use turnstile_shared::events;
@@ -22,17 +23,16 @@ pub struct LaneFigures {
 }
 
 pub async fn measure(
-    nats: &turnstile_tests::NatsServer,
+    d: &Deployment,
     single_turns: usize,
     sessions: usize,
     turns_each: usize,
 ) -> Result<LaneFigures> {
-    let url = nats.url();
-    let client = nats.client().await?;
+    let client = Deployment::connect(&d.operator).await?;
     let js = async_nats::jetstream::new(client.clone());
     let dir = tempfile::tempdir()?;
-    let lane = start_lane(&url);
-    let transport = start_transport(&url, dir.path())?;
+    let lane = start_lane(&d.lane);
+    let transport = start_transport(&d.transport, dir.path())?;
     let one = create_sessions(&client, 1).await?;
     let many = create_sessions(&client, sessions).await?;
     // With the transport stopped, queue every turn; when it comes back, each hand-off finds
@@ -40,7 +40,7 @@ pub async fn measure(
     transport.stop().await;
 
     let single = queue(&js, &one, single_turns).await?;
-    let transport = start_transport(&url, dir.path())?;
+    let transport = start_transport(&d.transport, dir.path())?;
     wait_all(&js, &single).await?;
     transport.stop().await;
     let mut records = Vec::new();
@@ -51,7 +51,7 @@ pub async fn measure(
 
     let all = queue(&js, &many, turns_each).await?;
     let started = Instant::now();
-    let transport = start_transport(&url, dir.path())?;
+    let transport = start_transport(&d.transport, dir.path())?;
     wait_all(&js, &all).await?;
     let seconds = started.elapsed().as_secs_f64();
     transport.stop().await;

@@ -7,6 +7,7 @@
 //! turn's dispatch). `main` runs them in that order and prints the figures with their ratios.
 
 mod completions;
+mod deployment;
 mod floor;
 mod inproc;
 mod lanes;
@@ -35,11 +36,14 @@ fn summary(mut samples: Vec<f64>) -> serde_json::Value {
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `--auth`: on a deployment's accounts (every service on its own user, the callout on).
+    let accounts = args.iter().any(|a| a == "--auth");
+    args.retain(|a| a != "--auth");
     match args.first().map(String::as_str) {
         Some("lanes") => {}
         _ => bail!(
-            "usage: turnstile-bench lanes [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]"
+            "usage: turnstile-bench lanes [--auth] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]"
         ),
     }
     turnstile_shared::telemetry::init_with_default("warn");
@@ -47,18 +51,18 @@ async fn main() -> Result<()> {
         |i: usize, default: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
     let (single, sessions, each, completions) =
         (num(1, 1000), num(2, 100), num(3, 20), num(4, 200));
-    let nats = turnstile_tests::NatsServer::start().await?;
+    let d = deployment::Deployment::start(accounts).await?;
     let version = std::process::Command::new(turnstile_tests::nats_server_bin()?)
         .arg("--version")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
     // The deployment's provisioning step (`turnstile admin provision`): services only bind.
-    let js = async_nats::jetstream::new(nats.client().await?);
+    let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
     turnstile_shared::topology::provision(&js, &Default::default()).await?;
-    let floor = floor::measure(&nats, 2000).await?;
-    let lanes = lanes::measure(&nats, single, sessions, each).await?;
-    let completion = completions::measure(&nats, completions).await?;
+    let floor = floor::measure(&d, 2000).await?;
+    let lanes = lanes::measure(&d, single, sessions, each).await?;
+    let completion = completions::measure(&d, completions).await?;
     let ratio_of = |v: &serde_json::Value, p: &str| {
         let a = v[p].as_f64().unwrap_or(f64::NAN);
         let b = floor[p].as_f64().unwrap_or(f64::NAN);
@@ -67,6 +71,7 @@ async fn main() -> Result<()> {
     let ratio = |p: &str| ratio_of(&lanes.handoff, p);
     let out = serde_json::json!({
         "nats_server": version,
+        "accounts": if d.accounts { "per-service users, agents by auth callout" } else { "none (open server)" },
         "store": "file",
         "jetstream_floor": floor,
         "lane_handoff": lanes.handoff,

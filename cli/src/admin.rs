@@ -63,12 +63,15 @@ pub async fn run(url: &str, cmd: AdminCommand) -> anyhow::Result<ExitCode> {
             listen,
             http,
         } => {
-            let settings = crate::nats_config::ServerSettings {
+            let settings = turnstile_shared::server_config::ServerSettings {
                 name,
                 listen,
                 http: (http != "none").then_some(http),
             };
-            print!("{}", crate::nats_config::render(&settings, &hosts));
+            print!(
+                "{}",
+                turnstile_shared::server_config::render(&settings, &hosts)
+            );
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -24,7 +24,6 @@ mod dev;
 mod events;
 mod hosts;
 mod mcp;
-mod nats_config;
 mod runs;
 mod schedule;
 mod session;

@@ -6,7 +6,8 @@
 //! - `ids`, `names`, `duration`, `retry`: typed ids with prefixes; enum names spelled once;
 //!   the one duration grammar; the one retry policy.
 //! - `subjects`: every stream, bucket, consumer and subject name (nothing else spells them);
-//!   `permissions`: who may use which of them (the server config is written from it).
+//!   `permissions`: who may use which of them; `server_config` writes the server's config
+//!   from it.
 //! - `envelope`: the versioned wire envelope (an unknown version is refused, R15).
 //! - `events`: the event-kind registry (`EventKind`) and the one publish path.
 //! - `api`: request/reply types, the error-code registry (`ErrorCode`) and the typed client;
@@ -40,6 +41,7 @@ pub mod records;
 pub mod retry;
 pub mod runs;
 pub mod schedules;
+pub mod server_config;
 pub mod service;
 pub mod step_api;
 pub mod subjects;

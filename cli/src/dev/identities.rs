@@ -12,7 +12,7 @@ use anyhow::Context;
 use turnstile_shared::ids::HostName;
 use turnstile_shared::permissions::Role;
 
-use crate::nats_config::{render, ServerSettings};
+use turnstile_shared::server_config::{render, ServerSettings};
 
 /// Everything the local deployment's processes need to connect as themselves.
 pub struct Identities {

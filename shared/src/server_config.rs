@@ -1,10 +1,11 @@
-//! `turnstile admin nats-config`: the NATS server's configuration, written from the permission
-//! table in `shared/src/permissions.rs` (so it cannot drift from the subjects the code uses):
-//! one user per role and per host, the auth callout that issues agents' identities, and the
-//! system account's revoker. `deploy/nats-server.conf` is this command's output.
+//! The NATS server's configuration, written from the permission table in [`crate::permissions`]
+//! (so it cannot drift from the subjects the code uses): one user per role and per host, the
+//! auth callout that issues agents' identities, and the system account's revoker.
+//! `turnstile admin nats-config` prints it (`deploy/nats-server.conf` is its output),
+//! `turnstile dev` and the benchmark run on it.
 
-use turnstile_shared::ids::HostName;
-use turnstile_shared::permissions::{Grant, Role, ACCOUNT, SYSTEM_ACCOUNT};
+use crate::ids::HostName;
+use crate::permissions::{Grant, Role, ACCOUNT, SYSTEM_ACCOUNT};
 
 /// Where the server listens and what it is called.
 pub struct ServerSettings {
@@ -14,11 +15,28 @@ pub struct ServerSettings {
     pub http: Option<String>,
 }
 
+/// A user outside the deployment's roles (the benchmark's raw JetStream floor client).
+pub struct ExtraUser {
+    pub user: String,
+    pub password_var: String,
+    pub purpose: String,
+    pub grant: Grant,
+}
+
 /// The whole configuration for a deployment whose transport agents run on `hosts`.
 pub fn render(settings: &ServerSettings, hosts: &[HostName]) -> String {
+    render_with(settings, hosts, &[])
+}
+
+/// Like [`render`], with users of the deployment's account besides its roles.
+pub fn render_with(settings: &ServerSettings, hosts: &[HostName], extra: &[ExtraUser]) -> String {
     let roles = Role::all(hosts);
     let host_args: String = hosts.iter().map(|h| format!(" --host {h}")).collect();
-    let vars: Vec<String> = roles.iter().map(Role::password_var).collect();
+    let vars: Vec<String> = roles
+        .iter()
+        .map(Role::password_var)
+        .chain(extra.iter().map(|e| e.password_var.clone()))
+        .collect();
     let mut out = format!(
         "# nats-server configuration for a Turnstile deployment (nats-server 2.11 or newer).\n\
          # Written by `turnstile admin nats-config{host_args}`: do not edit; run it again for\n\
@@ -48,7 +66,11 @@ pub fn render(settings: &ServerSettings, hosts: &[HostName]) -> String {
             "# HTTP monitoring; keep it off the public network.\nhttp: {http}\n"
         ));
     }
-    let users: Vec<String> = roles.iter().map(Role::user).collect();
+    let users: Vec<String> = roles
+        .iter()
+        .map(Role::user)
+        .chain(extra.iter().map(|e| e.user.clone()))
+        .collect();
     out.push_str(&format!(
         "\n# The system account: the broker's `revoker` ends a stopped session's connections.\n\
          system_account: {SYSTEM_ACCOUNT}\n\n\
@@ -70,7 +92,17 @@ pub fn render(settings: &ServerSettings, hosts: &[HostName]) -> String {
         }
         out.push_str("    users: [\n");
         for role in roles.iter().filter(|r| r.account() == account) {
-            out.push_str(&user(role));
+            out.push_str(&user(
+                &role.user(),
+                &role.purpose(),
+                &role.password_var(),
+                role.grant(),
+            ));
+        }
+        if account == ACCOUNT {
+            for e in extra {
+                out.push_str(&user(&e.user, &e.purpose, &e.password_var, e.grant.clone()));
+            }
         }
         out.push_str("    ]\n  }\n");
     }
@@ -78,12 +110,12 @@ pub fn render(settings: &ServerSettings, hosts: &[HostName]) -> String {
     out
 }
 
-fn user(role: &Role) -> String {
+fn user(name: &str, purpose: &str, password_var: &str, grant: Grant) -> String {
     let Grant {
         publish,
         publish_deny,
         subscribe,
-    } = role.grant();
+    } = grant;
     let mut publish_block = String::new();
     if !publish.is_empty() {
         publish_block.push_str(&format!("            allow: {}\n", list(&publish, 14)));
@@ -93,10 +125,10 @@ fn user(role: &Role) -> String {
     }
     format!(
         "      # {}: {}\n      {{\n        user: {}\n        password: ${}\n        permissions: {{\n          publish: {{\n{publish_block}          }}\n          subscribe: {{\n            allow: {}\n          }}\n        }}\n      }}\n",
-        role.user(),
-        wrap(&role.purpose(), "      # ").trim_start_matches("      # "),
-        role.user(),
-        role.password_var(),
+        name,
+        wrap(purpose, "      # ").trim_start_matches("      # "),
+        name,
+        password_var,
         list(&subscribe, 14),
     )
 }
