@@ -39,15 +39,40 @@ pub struct Grant {
     pub subscribe: Vec<String>,
 }
 
-/// Stream management no service or operator identity has (only `admin`).
-const STREAM_ADMIN: [&str; 3] = [
-    "$JS.API.STREAM.CREATE.>",
-    "$JS.API.STREAM.UPDATE.>",
-    "$JS.API.STREAM.DELETE.>",
-];
+/// The streams behind every KV bucket (`KV_<bucket>`): watches and scans are consumers on them.
+fn kv_streams() -> Vec<String> {
+    subjects::ALL_BUCKETS
+        .iter()
+        .map(|b| format!("KV_{b}"))
+        .collect()
+}
 
-/// What a JetStream client with the whole API needs besides its own subjects.
-const JETSTREAM_CLIENT: [&str; 5] = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "$KV.>", "_INBOX.>"];
+/// The JetStream API a service needs, and no more: account and stream info, and on the streams
+/// it `reads` (its consumers' and buckets' streams) consumer operations, direct and message
+/// gets, acks. Never stream create, update, delete or purge, message delete, snapshots or
+/// restores: only `admin` manages streams.
+fn jetstream(reads: &[String]) -> Vec<String> {
+    let mut out = vec![
+        "$JS.API.INFO".to_string(),
+        "$JS.API.STREAM.INFO.*".to_string(),
+        "$JS.API.STREAM.NAMES".to_string(),
+        "$JS.FC.>".to_string(),
+        "_INBOX.>".to_string(),
+    ];
+    for s in reads {
+        out.extend([
+            format!("$JS.API.CONSUMER.*.{s}"),
+            format!("$JS.API.CONSUMER.*.{s}.>"),
+            format!("$JS.API.CONSUMER.DURABLE.CREATE.{s}.>"),
+            format!("$JS.API.CONSUMER.MSG.NEXT.{s}.>"),
+            format!("$JS.API.DIRECT.GET.{s}"),
+            format!("$JS.API.DIRECT.GET.{s}.>"),
+            format!("$JS.API.STREAM.MSG.GET.{s}"),
+            format!("$JS.ACK.{s}.>"),
+        ]);
+    }
+    out
+}
 
 fn owned(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
@@ -137,20 +162,30 @@ impl Role {
     }
 
     pub fn grant(&self) -> Grant {
-        let service = |own: &[String], subscribe: &[String]| Grant {
-            publish: owned(&JETSTREAM_CLIENT)
-                .into_iter()
-                .chain(own.iter().cloned())
-                .collect(),
-            publish_deny: owned(&STREAM_ADMIN),
-            subscribe: std::iter::once("_INBOX.>".to_string())
-                .chain(subscribe.iter().cloned())
-                .collect(),
+        // A service: the JetStream API on the streams it reads, KV writes, its own subjects.
+        let service = |reads: &[&str], own: &[String], subscribe: &[String]| {
+            let mut streams: Vec<String> = reads.iter().map(|s| s.to_string()).collect();
+            streams.extend(kv_streams());
+            Grant {
+                publish: jetstream(&streams)
+                    .into_iter()
+                    .chain(std::iter::once("$KV.>".to_string()))
+                    .chain(own.iter().cloned())
+                    .collect(),
+                publish_deny: Vec::new(),
+                subscribe: std::iter::once("_INBOX.>".to_string())
+                    .chain(subscribe.iter().cloned())
+                    .collect(),
+            }
         };
         let op_exec = subj::exec(subj::OPERATOR, "*");
         match self {
             Role::SessionLane => service(
+                &[subjects::LANE_STREAM, subjects::COMPLETION_STREAM],
                 &[
+                    // A stopped session's lane is purged; a handed-over completion deleted.
+                    format!("$JS.API.STREAM.PURGE.{}", subjects::LANE_STREAM),
+                    format!("$JS.API.STREAM.MSG.DELETE.{}", subjects::COMPLETION_STREAM),
                     "ts.lane.>".into(),
                     subjects::TRANSPORT_ALL.into(),
                     subjects::EVENTS_ALL.into(),
@@ -170,6 +205,12 @@ impl Role {
             Role::Transport(host) => transport(host),
             Role::Broker => {
                 let mut g = service(
+                    // Its durable queues, and the lanes' consumers (who holds a lane).
+                    &[
+                        subjects::STEP_STREAM,
+                        subjects::EVENTS_STREAM,
+                        subjects::LANE_STREAM,
+                    ],
                     &[
                         subjects::COMPLETION_ALL.into(),
                         subjects::STEP_ALL.into(),
@@ -198,6 +239,7 @@ impl Role {
                 g
             }
             Role::Scheduler => service(
+                &[],
                 &[
                     subjects::EVENTS_ALL.into(),
                     format!("{}.>", subj::RUNS_GROUP),
@@ -219,6 +261,7 @@ impl Role {
                 subscribe: owned(&[subjects::EVENTS_ALL, "$SRV.>", "_INBOX.>"]),
             },
             Role::Cli => service(
+                &subjects::ALL_STREAMS,
                 &["ts.api.>".into(), "ts.lane.>".into(), "$SRV.>".into()],
                 &[subjects::EVENTS_ALL.into()],
             ),
@@ -285,7 +328,7 @@ mod tests {
     #[test]
     fn each_host_has_its_own_user_and_only_its_own_consumers() {
         let a: HostName = "build-a".parse().expect("host");
-        let b: HostName = "b".parse().expect("host");
+        let b: HostName = "other".parse().expect("host");
         let roles = Role::all(&[a.clone(), b.clone()]);
         let users: Vec<String> = roles.iter().map(Role::user).collect();
         assert!(users.contains(&"transport-build-a".to_string()));
@@ -296,7 +339,33 @@ mod tests {
         let grant = Role::Transport(a).grant();
         let all = grant.publish.join(" ");
         assert!(all.contains("transport_build-a"));
-        assert!(!all.contains("transport_b"), "{all}");
+        assert!(!all.contains("transport_other"), "{all}");
         assert!(!grant.publish.iter().any(|p| p == "$JS.API.>"));
+    }
+
+    #[test]
+    fn no_identity_but_admin_manages_streams() {
+        let hosts: Vec<HostName> = vec!["h".parse().expect("host")];
+        for role in Role::all(&hosts) {
+            let publish = role.grant().publish;
+            let wide = publish.iter().any(|p| {
+                p == ">"
+                    || p == "$JS.API.>"
+                    || p.starts_with("$JS.API.STREAM.CREATE")
+                    || p.starts_with("$JS.API.STREAM.UPDATE")
+                    || p.starts_with("$JS.API.STREAM.DELETE")
+            });
+            assert_eq!(wide, role == Role::Admin, "{role:?}");
+            // Purging is the session-lane's, and only of the lanes.
+            let purges: Vec<&String> = publish
+                .iter()
+                .filter(|p| p.starts_with("$JS.API.STREAM.PURGE"))
+                .collect();
+            match role {
+                Role::SessionLane => assert_eq!(purges, ["$JS.API.STREAM.PURGE.TS_LANE"]),
+                Role::Admin => {}
+                _ => assert!(purges.is_empty(), "{role:?}: {purges:?}"),
+            }
+        }
     }
 }
