@@ -129,6 +129,13 @@ pub fn with_tls(
 
 /// Subjects the server refused this process (publish or subscribe) since it started.
 static PERMISSION_REFUSALS: AtomicU64 = AtomicU64::new(0);
+/// The server's words for the latest refusal (for `/readyz`).
+static LAST_REFUSAL: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// The latest permission refusal's text, if any.
+pub fn last_permission_refusal() -> Option<String> {
+    LAST_REFUSAL.lock().ok().and_then(|l| l.clone())
+}
 
 /// How many times the server refused this process a subject: a refusal is a deployment error
 /// (its identity lacks a permission it needs), never routine.
@@ -142,6 +149,9 @@ fn log_event(who: &str, event: async_nats::Event) {
     match event {
         async_nats::Event::ServerError(e) if is_permission_error(&e.to_string()) => {
             PERMISSION_REFUSALS.fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut last) = LAST_REFUSAL.lock() {
+                *last = Some(e.to_string());
+            }
             tracing::error!(connection = who, error = %e, "NATS refused a permission");
         }
         async_nats::Event::Connected

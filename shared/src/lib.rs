@@ -13,7 +13,8 @@
 //! - `api`: request/reply types, the error-code registry (`ErrorCode`) and the typed client;
 //!   `service`: the request loop behind every endpoint.
 //! - `kv`: typed compare-and-set over KV buckets; `topology`: provisioning; `config`: flags
-//!   and connect; `consume`: the durable-consumer loops; `deadletter`: refusals; `telemetry`.
+//!   and connect; `consume`: the durable-consumer loops; `deadletter`: refusals; `telemetry`;
+//!   `health`: the `/healthz` and `/readyz` endpoints.
 //! - Records: `records` (sessions, turns, hosts, transport commands), `execution` (the tree),
 //!   `delivery` (completions and the delivery item), `runs`, `schedules`, `step_api`.
 //! - `lane`: the lane item, above the records it carries; `arming`: arming a session's one
@@ -31,6 +32,7 @@ pub mod duration;
 pub mod envelope;
 pub mod events;
 pub mod execution;
+pub mod health;
 pub mod ids;
 pub mod kv;
 pub mod lane;

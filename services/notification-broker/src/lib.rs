@@ -44,11 +44,14 @@ pub struct Config {
     pub replica: String,
     /// Answer the NATS server's auth callouts (agents' identities), when configured.
     pub callout: Option<CalloutConfig>,
+    /// What `/healthz` and `/readyz` report (served by the binary with `--http`).
+    pub health: std::sync::Arc<turnstile_shared::health::Health>,
 }
 
 impl Config {
     pub fn new(nats_url: impl Into<String>) -> Self {
         Self {
+            health: turnstile_shared::health::Health::new(),
             nats_url: nats_url.into(),
             topology: TopologyConfig::default(),
             replica: format!("broker-{}", std::process::id()),
@@ -102,6 +105,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         js,
         buckets,
     } = turnstile_shared::config::start(&config.nats_url, &config.replica, &shutdown).await?;
+    config.health.serving(&client);
     let ctx = Arc::new(Ctx {
         client,
         js,

@@ -9,6 +9,8 @@ use turnstile_shared::config::{NatsArgs, TopologyArgs};
 #[command(name = "turnstile-notification-broker", version)]
 struct Args {
     #[command(flatten)]
+    health: turnstile_shared::health::HealthArgs,
+    #[command(flatten)]
     nats: NatsArgs,
     #[command(flatten)]
     topology: TopologyArgs,
@@ -53,6 +55,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
+    turnstile_shared::health::spawn(&args.health, &config.health, &shutdown);
     turnstile_notification_broker::run(config, shutdown).await?;
     Ok(())
 }

@@ -8,6 +8,8 @@ use turnstile_shared::config::{NatsArgs, TopologyArgs};
 #[command(name = "turnstile-scheduler", version)]
 struct Args {
     #[command(flatten)]
+    health: turnstile_shared::health::HealthArgs,
+    #[command(flatten)]
     nats: NatsArgs,
     #[command(flatten)]
     topology: TopologyArgs,
@@ -27,6 +29,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
+    turnstile_shared::health::spawn(&args.health, &config.health, &shutdown);
     turnstile_scheduler::run(config, shutdown).await?;
     Ok(())
 }

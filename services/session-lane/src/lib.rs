@@ -39,11 +39,14 @@ pub struct Config {
     pub replica: String,
     /// How long a graceful stop may take to hand lanes over before giving up.
     pub shutdown_grace: Duration,
+    /// What `/healthz` and `/readyz` report (served by the binary with `--http`).
+    pub health: std::sync::Arc<turnstile_shared::health::Health>,
 }
 
 impl Config {
     pub fn new(nats_url: impl Into<String>) -> Self {
         Self {
+            health: turnstile_shared::health::Health::new(),
             nats_url: nats_url.into(),
             topology: TopologyConfig::default(),
             replica: format!("lane-{}", std::process::id()),
@@ -95,6 +98,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         js,
         buckets,
     } = turnstile_shared::config::start(&config.nats_url, &config.replica, &shutdown).await?;
+    config.health.serving(&client);
     let turns = turn_watch::TurnWatch::start(buckets.turns.clone(), shutdown.child_token());
     let ctx = Arc::new(Ctx {
         client,

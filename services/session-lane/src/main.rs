@@ -12,6 +12,8 @@ use turnstile_shared::config::{NatsArgs, TopologyArgs};
 )]
 struct Args {
     #[command(flatten)]
+    health: turnstile_shared::health::HealthArgs,
+    #[command(flatten)]
     nats: NatsArgs,
     #[command(flatten)]
     topology: TopologyArgs,
@@ -31,6 +33,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
+    turnstile_shared::health::spawn(&args.health, &config.health, &shutdown);
     turnstile_session_lane::run(config, shutdown).await?;
     Ok(())
 }

@@ -63,6 +63,8 @@ pub struct Config {
     pub ready_timeout: Duration,
     /// A turn whose agent is not back at its prompt by then fails with `turn_timeout`.
     pub turn_timeout: Duration,
+    /// What `/healthz` and `/readyz` report (served by the binary with `--http`).
+    pub health: std::sync::Arc<turnstile_shared::health::Health>,
 }
 
 impl Config {
@@ -75,6 +77,7 @@ impl Config {
 
     pub fn new(nats_url: impl Into<String>, host: HostName, data_dir: PathBuf) -> Self {
         Self {
+            health: turnstile_shared::health::Health::new(),
             nats_url: nats_url.into(),
             host,
             topology: TopologyConfig::default(),
@@ -164,6 +167,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         &shutdown,
     )
     .await?;
+    config.health.serving(&client);
     let mut adapters: HashMap<AgentKind, Arc<dyn Adapter>> = HashMap::new();
     adapters.insert(
         AgentKind::Mock,

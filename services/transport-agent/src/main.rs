@@ -17,6 +17,8 @@ use turnstile_shared::HostName;
 )]
 struct Args {
     #[command(flatten)]
+    health: turnstile_shared::health::HealthArgs,
+    #[command(flatten)]
     nats: NatsArgs,
     #[command(flatten)]
     topology: TopologyArgs,
@@ -67,6 +69,7 @@ async fn main() -> anyhow::Result<()> {
     config.turn_timeout = args.turn_timeout;
     let shutdown = CancellationToken::new();
     turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
+    turnstile_shared::health::spawn(&args.health, &config.health, &shutdown);
     turnstile_transport_agent::run(config, shutdown).await?;
     Ok(())
 }

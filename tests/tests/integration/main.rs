@@ -9,6 +9,7 @@ mod delivery;
 mod deployed;
 mod dev;
 mod faults;
+mod health;
 mod hosts;
 mod house;
 mod lanes;

@@ -294,7 +294,7 @@ impl Stack {
     }
 
     /// The services' environment with `role`'s own NATS identity, when the stack has them.
-    fn env_as(&self, role: &str) -> Vec<(String, String)> {
+    pub fn env_as(&self, role: &str) -> Vec<(String, String)> {
         let mut env = self.env();
         if let Some(pw) = self.passwords.get(role) {
             for (k, v) in env.iter_mut() {
