@@ -73,7 +73,8 @@ impl Stack {
                 all.push(h.to_string());
             }
         }
-        let mut stack = Self::with_identities(ServerConfig::Generated(all), overrides).await?;
+        let mut stack =
+            Self::with_identities(ServerConfig::Generated(all), overrides, None).await?;
         stack.deploy(replicas, hosts).await?;
         Ok(stack)
     }
@@ -81,7 +82,7 @@ impl Stack {
     /// Like [`Stack::start`], on a nats-server running the shipped `deploy/nats-server.conf`
     /// (its hosts are [`SHIPPED_HOSTS`]).
     pub async fn start_deployed(replicas: &[&str], hosts: &[&str]) -> Result<Stack> {
-        let mut stack = Self::with_identities(ServerConfig::Shipped, &[]).await?;
+        let mut stack = Self::with_identities(ServerConfig::Shipped, &[], None).await?;
         stack.deploy(replicas, hosts).await?;
         Ok(stack)
     }
@@ -91,7 +92,13 @@ impl Stack {
     /// own users with the permissions `shared/src/permissions.rs` gives them; agents get
     /// identities from the broker's auth callout, which signs with a key made here as an
     /// operator makes it.
-    async fn with_identities(config: ServerConfig, overrides: &[(&str, &str)]) -> Result<Stack> {
+    /// With `tls`, the server also requires TLS and verifies clients (its `tls` block is added
+    /// to the generated config) and every client connects with the test's certificates.
+    async fn with_identities(
+        config: ServerConfig,
+        overrides: &[(&str, &str)],
+        tls: Option<&crate::tls::Files>,
+    ) -> Result<Stack> {
         let keys = tempfile::Builder::new().prefix("ts-keys-").tempdir()?;
         let turnstile = |args: &[&str]| -> Result<String> {
             let out = std::process::Command::new(bin_path("turnstile")?)
@@ -118,7 +125,11 @@ impl Stack {
                     args.extend(["--host", h.as_str()]);
                 }
                 let path = keys.path().join("nats-server.conf");
-                std::fs::write(&path, turnstile(&args)?)?;
+                let mut text = turnstile(&args)?;
+                if let Some(files) = tls {
+                    text.push_str(&crate::tls::server_config(files));
+                }
+                std::fs::write(&path, text)?;
                 (path, hosts)
             }
         };
@@ -134,7 +145,8 @@ impl Stack {
             .collect();
         env.push(("TS_AUTH_ISSUER".to_string(), issuer.trim().to_string()));
         let cli = Some(("cli".to_string(), passwords["cli"].clone()));
-        let nats = NatsServer::start_with_config(&path, env, cli, Vec::new()).await?;
+        let client_tls = tls.map(crate::tls::Files::client_env).unwrap_or_default();
+        let nats = NatsServer::start_with_config(&path, env, cli, client_tls).await?;
         let mut stack = Self::assemble(nats, overrides, passwords).await?;
         stack.issuer_seed = Some((keys, seed));
         Ok(stack)
@@ -188,7 +200,7 @@ impl Stack {
     /// started.
     pub async fn bare(overrides: &[(&str, &str)]) -> Result<Stack> {
         let hosts = TEST_HOSTS.iter().map(|h| h.to_string()).collect();
-        Self::with_identities(ServerConfig::Generated(hosts), overrides).await
+        Self::with_identities(ServerConfig::Generated(hosts), overrides, None).await
     }
 
     async fn assemble(
@@ -224,12 +236,11 @@ impl Stack {
     pub async fn start_tls(replicas: &[&str], hosts: &[&str]) -> Result<Stack> {
         let certs = tempfile::Builder::new().prefix("ts-tls-").tempdir()?;
         let files = crate::tls::make_certificates(certs.path())?;
-        let conf = certs.path().join("tls.conf");
-        std::fs::write(&conf, crate::tls::server_config(&files))?;
         let tls = files.client_env();
-        let nats = NatsServer::start_with_config(&conf, Vec::new(), None, tls.clone()).await?;
         let overrides: Vec<(&str, &str)> = tls.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let mut stack = Self::assemble(nats, &overrides, HashMap::new()).await?;
+        let all = TEST_HOSTS.iter().map(|h| h.to_string()).collect();
+        let mut stack =
+            Self::with_identities(ServerConfig::Generated(all), &overrides, Some(&files)).await?;
         stack.certs = Some(certs);
         stack.deploy(replicas, hosts).await?;
         Ok(stack)

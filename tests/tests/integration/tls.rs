@@ -157,13 +157,18 @@ async fn over_tls(stack: &mut Stack) -> Result<()> {
             .await
         }
     };
-    let plain = connect(async_nats::ConnectOptions::new()).await;
+    // With the operator's valid user and password, so TLS is the only reason to refuse.
+    let user = || {
+        let pw = stack.password("cli").unwrap_or_default();
+        async_nats::ConnectOptions::with_user_and_password("cli".into(), pw)
+    };
+    let plain = connect(user()).await;
     ensure!(
         !matches!(plain, Ok(Ok(_))),
         "a client without TLS settings connected"
     );
     let ca_only: Vec<(&'static str, String)> = stack_ca(stack)?;
-    let anonymous = connect(with_tls(async_nats::ConnectOptions::new(), &ca_only)).await;
+    let anonymous = connect(with_tls(user(), &ca_only)).await;
     ensure!(
         !matches!(anonymous, Ok(Ok(c)) if c.flush().await.is_ok()),
         "a client without a certificate connected to a server that verifies clients"
