@@ -3,8 +3,8 @@
 //!
 //! Layout, from the bottom up (a module uses only those above it in this list):
 //!
-//! - `ids`, `names`, `duration`, `retry`: typed ids with prefixes; enum names spelled once;
-//!   the one duration grammar; the one retry policy.
+//! - `ids`, `names`, `duration`, `retry`, `private_file`: typed ids with prefixes; enum names
+//!   spelled once; the one duration grammar; the one retry policy; files that hold secrets.
 //! - `subjects`: every stream, bucket, consumer and subject name (nothing else spells them);
 //!   `permissions`: who may use which of them; `server_config` writes the server's config
 //!   from it.
@@ -39,6 +39,7 @@ pub mod lane;
 pub mod names;
 pub mod permissions;
 pub mod principal;
+pub mod private_file;
 pub mod records;
 pub mod retry;
 pub mod runs;

@@ -4,8 +4,6 @@
 //! permission table as `turnstile admin nats-config`.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -48,7 +46,7 @@ impl Identities {
                 .or_insert_with(turnstile_shared::ids::new_secret);
         }
         if passwords.len() != before {
-            private_write(&file, &serde_json::to_vec_pretty(&passwords)?)?;
+            write_private(&file, &serde_json::to_vec_pretty(&passwords)?)?;
         }
         let seed_file = dir.join("issuer.nk");
         let issuer = crate::admin::issuer(&seed_file)?;
@@ -75,7 +73,7 @@ impl Identities {
             operator_env,
             port,
         };
-        private_write(
+        write_private(
             &me.operator_env,
             format!("TURNSTILE_NATS_URL={}\n", me.url(&Role::Cli)?).as_bytes(),
         )?;
@@ -93,16 +91,7 @@ impl Identities {
     }
 }
 
-fn private_write(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .with_context(|| format!("create {}", tmp.display()))?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path).with_context(|| format!("write {}", path.display()))
+fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    turnstile_shared::private_file::write(path, bytes)
+        .with_context(|| format!("write {}", path.display()))
 }

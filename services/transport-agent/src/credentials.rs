@@ -2,8 +2,7 @@
 //! `ps` would show them): an env file and an MCP config, both readable by this user only, and
 //! a launcher that sources the one and `exec`s the agent.
 
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use crate::adapter::SessionSpec;
@@ -52,7 +51,7 @@ impl SessionFiles {
             "TURNSTILE_MCP_CONFIG={}\n",
             shell_quote(&self.mcp.to_string_lossy())
         ));
-        private_file(&self.env, env.as_bytes())?;
+        turnstile_shared::private_file::write(&self.env, env.as_bytes())?;
         let servers: serde_json::Map<String, serde_json::Value> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), serde_json::Value::from(v.as_str())))
@@ -66,7 +65,7 @@ impl SessionFiles {
                 }
             }
         });
-        private_file(&self.mcp, mcp.to_string().as_bytes())
+        turnstile_shared::private_file::write(&self.mcp, mcp.to_string().as_bytes())
     }
 
     pub fn remove(&self) {
@@ -86,19 +85,6 @@ impl SessionFiles {
         out.extend(argv);
         out
     }
-}
-
-fn private_file(path: &Path, contents: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(contents)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)
 }
 
 /// Single-quotes a value for `sh`.

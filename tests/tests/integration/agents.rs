@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use turnstile_shared::api::{self, ErrorCode, SessionRef};
-use turnstile_shared::config::is_permission_error;
 use turnstile_shared::execution::{ExecutionRecord, Scope};
 use turnstile_shared::principal::Principal;
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::{Caller, StartStep, StepKind};
 use turnstile_shared::subjects::{self, api as subj};
 
+use crate::deployed::refused;
 use crate::stack::{report, Stack, API};
 
 /// A client on an agent's own credentials, as its tools connect, and what the server tells it
@@ -40,23 +40,6 @@ async fn connect_agent(
             .await
             .with_context(|| format!("connect as agent {principal}"))?;
     Ok((client, rx))
-}
-
-/// Waits (≤ 10 s) for the server's permission error naming `subject`, as the client sees it.
-async fn refused(
-    events: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
-    subject: &str,
-) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let e = tokio::time::timeout_at(deadline, events.recv())
-            .await
-            .map_err(|_| anyhow::anyhow!("no permission error for {subject} within 10 s"))?
-            .context("connection closed")?;
-        if is_permission_error(&e) && e.contains(subject) {
-            return Ok(());
-        }
-    }
 }
 
 fn step_request(caller: &Caller, name: &str) -> StartStep {

@@ -76,7 +76,8 @@ async fn deployed_users_are_refused_what_they_may_not_do() -> Result<()> {
     report(&stack, r)
 }
 
-async fn refused(
+/// Waits (≤ 10 s) for the server's permission error naming `subject`, as the client sees it.
+pub async fn refused(
     errors: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
     subject: &str,
 ) -> Result<()> {
