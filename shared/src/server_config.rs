@@ -44,7 +44,8 @@ pub fn render_with(settings: &ServerSettings, hosts: &[HostName], extra: &[Extra
          # shared/src/subjects.rs; docs/security.md explains them.\n\
          #\n\
          # The nats-server process's environment holds each user's password and the auth\n\
-         # callout issuer (a `$NAME` not defined here is read from the environment):\n\
+         # callout issuer (a `$NAME` not defined here is read from the environment; start each\n\
+         # password with a letter: a value starting with a digit is read as a number):\n\
          {}\n\
          #   TS_AUTH_ISSUER: the public key printed by\n\
          #     `turnstile admin issuer --seed-file issuer.nk`; the broker signs with the seed.\n\

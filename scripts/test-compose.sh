@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The compose deployment, for real: images built here without a registry
+# (scripts/build-images.sh), docker-compose.yml brought up on them, every healthcheck healthy,
+# and a scheduled run of the mock agent completed end to end through the containers.
+# Skips (exit 0, with the reason) when no Docker engine answers.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if ! docker info >/dev/null 2>&1; then
+  echo "test-compose: SKIPPED: no Docker engine answers (docker info failed)"
+  exit 0
+fi
+if ! command -v docker-compose >/dev/null; then
+  echo "test-compose: SKIPPED: docker-compose is not installed"
+  exit 0
+fi
+
+scripts/build-images.sh
+
+project="tstest$$"
+work="$(mktemp -d)"
+compose() {
+  docker-compose -p "$project" --env-file "$work/env" --compatibility "$@"
+}
+cleanup() {
+  status=$?
+  if [ "$status" -ne 0 ]; then
+    echo "test-compose: FAILED; the deployment's logs:" >&2
+    compose logs --no-color --tail 60 >&2 || true
+  fi
+  compose down -v --remove-orphans >/dev/null 2>&1 || true
+  rm -rf "$work"
+  exit "$status"
+}
+trap cleanup EXIT
+
+# Secrets: a password per user of deploy/nats-server.conf and the agents' signing key. They
+# start with a letter: nats-server parses a variable's value as a config value, and one that
+# starts with a digit is read as a number (and refused).
+secret() { printf 'pw%s' "$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"; }
+{
+  for var in TS_LANE_PASSWORD TS_TRANSPORT_HOST_A_PASSWORD TS_TRANSPORT_HOST_B_PASSWORD \
+             TS_BROKER_PASSWORD TS_SCHEDULER_PASSWORD TS_CLI_PASSWORD TS_ADMIN_PASSWORD \
+             TS_OBSERVER_PASSWORD TS_REVOKER_PASSWORD; do
+    echo "$var=$(secret)"
+  done
+  echo "TS_AUTH_ISSUER=$(target/release/turnstile admin issuer --seed-file "$work/issuer.nk")"
+  echo "TURNSTILE_ISSUER_SEED=$work/issuer.nk"
+  echo "NATS_PORT=${TEST_NATS_PORT:-14222}"
+  echo "NATS_MONITOR_PORT=${TEST_NATS_MONITOR_PORT:-18222}"
+  echo "NATS_IMAGE=turnstile-nats:local"
+  echo "TURNSTILE_IMAGE=turnstile:local"
+} > "$work/env"
+chmod 0644 "$work/issuer.nk"   # read by the broker's (non-root) user inside its container
+
+compose up -d --no-build
+
+# Every container with a healthcheck turns healthy (bounded).
+deadline=$((SECONDS + 180))
+while :; do
+  unhealthy=""
+  for c in $(compose ps -q); do
+    state="$(docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}' "$c")"
+    case "$state" in
+      healthy|none) ;;
+      *) unhealthy="$unhealthy $(docker inspect -f '{{.Name}}' "$c"):$state" ;;
+    esac
+  done
+  [ -z "$unhealthy" ] && break
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "test-compose: not healthy within 180 s:$unhealthy" >&2
+    exit 1
+  fi
+  sleep 2
+done
+echo "test-compose: every healthcheck healthy"
+
+cli() { compose run --rm -T cli "$@"; }
+session="$(cli session create --agent mock --name compose-demo | tr -d '\r')"
+echo "test-compose: session $session"
+cli schedule add --name compose-every-5s --cron '*/5 * * * * *' --tz UTC \
+  --session "$session" --message '!reply scheduled hello' >/dev/null
+deadline=$((SECONDS + 120))
+until cli run list --schedule compose-every-5s --json | grep -q '"completed"'; do
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "test-compose: no scheduled run completed within 120 s" >&2
+    cli run list --schedule compose-every-5s >&2 || true
+    exit 1
+  fi
+  sleep 2
+done
+echo "test-compose: a scheduled run of the mock agent completed"
