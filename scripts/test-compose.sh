@@ -28,6 +28,10 @@ cleanup() {
     echo "test-compose: FAILED; the deployment's logs:" >&2
     compose logs --no-color --tail 60 >&2 || true
   fi
+  if [ -n "${outside_pid:-}" ]; then kill "$outside_pid" 2>/dev/null || true; fi
+  if [ -n "${outside_data:-}" ]; then
+    tmux -S "$outside_data/tmux.sock" kill-server 2>/dev/null || true
+  fi
   compose down -v --remove-orphans >/dev/null 2>&1 || true
   rm -rf "$work"
   exit "$status"
@@ -38,12 +42,18 @@ trap cleanup EXIT
 # start with a letter: nats-server parses a variable's value as a config value, and one that
 # starts with a digit is read as a number (and refused).
 secret() { printf 'pw%s' "$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"; }
+# The shipped config's hosts plus one outside compose: a transport agent on this machine.
+target/release/turnstile admin nats-config --host host-a --host host-b --host outside \
+  > "$work/nats-server.conf"
 {
   for var in TS_LANE_PASSWORD TS_TRANSPORT_HOST_A_PASSWORD TS_TRANSPORT_HOST_B_PASSWORD \
+             TS_TRANSPORT_OUTSIDE_PASSWORD \
              TS_BROKER_PASSWORD TS_SCHEDULER_PASSWORD TS_CLI_PASSWORD TS_ADMIN_PASSWORD \
              TS_OBSERVER_PASSWORD TS_REVOKER_PASSWORD; do
     echo "$var=$(secret)"
   done
+  echo "NATS_CONFIG=$work/nats-server.conf"
+  echo "TURNSTILE_ENV_FILE=$work/env"
   echo "TS_AUTH_ISSUER=$(target/release/turnstile admin issuer --seed-file "$work/issuer.nk")"
   echo "TURNSTILE_ISSUER_SEED=$work/issuer.nk"
   echo "NATS_PORT=${TEST_NATS_PORT:-14222}"
@@ -90,3 +100,40 @@ until cli run list --schedule compose-every-5s --json | grep -q '"completed"'; d
   sleep 2
 done
 echo "test-compose: a scheduled run of the mock agent completed"
+
+# A host outside compose joins through the published port, started the way the shipped systemd
+# unit starts it: its ExecStart with an environment file holding its own host's credentials.
+unit=deploy/turnstile-transport-agent.service
+exec_start="$(sed -n 's/^ExecStart=//p' "$unit")"
+binary="target/release/$(basename "$exec_start")"
+outside_data="$work/outside"
+mkdir -p "$outside_data"
+password="$(sed -n 's/^TS_TRANSPORT_OUTSIDE_PASSWORD=//p' "$work/env")"
+port="$(sed -n 's/^NATS_PORT=//p' "$work/env")"
+cat > "$work/transport-agent.env" <<ENV
+TURNSTILE_NATS_URL=nats://transport-outside:$password@127.0.0.1:$port
+TURNSTILE_HOST=outside
+TURNSTILE_DATA_DIR=$outside_data
+TURNSTILE_AGENT_BIN=$PWD/target/release/turnstile
+ENV
+( set -a; . "$work/transport-agent.env"; set +a; exec "$binary" ) \
+  > "$work/outside.log" 2>&1 &
+outside_pid=$!
+export TURNSTILE_NATS_URL="nats://cli:$(sed -n 's/^TS_CLI_PASSWORD=//p' "$work/env")@127.0.0.1:$port"
+deadline=$((SECONDS + 60))
+until outside="$(target/release/turnstile session create --agent mock --name outside \
+                   --host outside 2>/dev/null)"; do
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "test-compose: the host outside compose never joined" >&2
+    tail -30 "$work/outside.log" >&2
+    exit 1
+  fi
+  sleep 1
+done
+reply="$(target/release/turnstile session send "$outside" '!reply hello from outside' --wait --timeout 60s)"
+if ! printf '%s' "$reply" | grep -q 'hello from outside'; then
+  echo "test-compose: the outside host's turn did not reply: $reply" >&2
+  tail -30 "$work/outside.log" >&2
+  exit 1
+fi
+echo "test-compose: a transport agent outside compose ran a turn"
