@@ -10,7 +10,8 @@
 #                             (scripts/install-nats-server.sh)
 # Users with a registry build deploy/Dockerfile as it is (rust and debian images pulled).
 #
-# Environment: TURNSTILE_IMAGE, NATS_IMAGE (the names above), DEBIAN_MIRROR.
+# Environment: TURNSTILE_IMAGE, NATS_IMAGE (the names above), DEBIAN_MIRROR, and
+# TURNSTILE_PROFILE (release; scripts/test.sh uses the debug binaries it has just built).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -18,6 +19,7 @@ TURNSTILE_IMAGE="${TURNSTILE_IMAGE:-turnstile:local}"
 NATS_IMAGE="${NATS_IMAGE:-turnstile-nats:local}"
 BASE_IMAGE="turnstile-base:bookworm"
 DEBIAN_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+PROFILE="${TURNSTILE_PROFILE:-release}"
 
 if ! docker info >/dev/null 2>&1; then
   echo "build-images: no Docker engine answers (docker info failed)" >&2
@@ -45,12 +47,16 @@ if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   rm -rf "$work/rootfs"
 fi
 
-# 2. The release binaries, built on the host, as the Dockerfile's builder stage.
-cargo build --release --locked --bins
+# 2. The binaries, built on the host, as the Dockerfile's builder stage.
+if [ "$PROFILE" = release ]; then
+  cargo build --release --locked --bins
+else
+  cargo build --locked --bins
+fi
 mkdir -p "$work/prebuilt/out"
 for b in turnstile turnstile-session-lane turnstile-transport-agent \
          turnstile-notification-broker turnstile-scheduler; do
-  cp "target/release/$b" "$work/prebuilt/out/"
+  cp "target/$PROFILE/$b" "$work/prebuilt/out/"
 done
 printf 'FROM %s\nCOPY out/ /out/\n' "$BASE_IMAGE" > "$work/prebuilt/Dockerfile"
 docker build -q -t turnstile-prebuilt:local "$work/prebuilt" >/dev/null

@@ -16,6 +16,7 @@ if ! command -v docker-compose >/dev/null; then
 fi
 
 scripts/build-images.sh
+bin="target/${TURNSTILE_PROFILE:-release}"
 
 project="tstest$$"
 work="$(mktemp -d)"
@@ -43,7 +44,7 @@ trap cleanup EXIT
 # starts with a digit is read as a number (and refused).
 secret() { printf 'pw%s' "$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"; }
 # The shipped config's hosts plus one outside compose: a transport agent on this machine.
-target/release/turnstile admin nats-config --host host-a --host host-b --host outside \
+"$bin/turnstile" admin nats-config --host host-a --host host-b --host outside \
   > "$work/nats-server.conf"
 {
   for var in TS_LANE_PASSWORD TS_TRANSPORT_HOST_A_PASSWORD TS_TRANSPORT_HOST_B_PASSWORD \
@@ -54,7 +55,7 @@ target/release/turnstile admin nats-config --host host-a --host host-b --host ou
   done
   echo "NATS_CONFIG=$work/nats-server.conf"
   echo "TURNSTILE_ENV_FILE=$work/env"
-  echo "TS_AUTH_ISSUER=$(target/release/turnstile admin issuer --seed-file "$work/issuer.nk")"
+  echo "TS_AUTH_ISSUER=$("$bin/turnstile" admin issuer --seed-file "$work/issuer.nk")"
   echo "TURNSTILE_ISSUER_SEED=$work/issuer.nk"
   echo "NATS_PORT=${TEST_NATS_PORT:-14222}"
   echo "NATS_MONITOR_PORT=${TEST_NATS_MONITOR_PORT:-18222}"
@@ -105,7 +106,7 @@ echo "test-compose: a scheduled run of the mock agent completed"
 # unit starts it: its ExecStart with an environment file holding its own host's credentials.
 unit=deploy/turnstile-transport-agent.service
 exec_start="$(sed -n 's/^ExecStart=//p' "$unit")"
-binary="target/release/$(basename "$exec_start")"
+binary="$bin/$(basename "$exec_start")"
 outside_data="$work/outside"
 mkdir -p "$outside_data"
 password="$(sed -n 's/^TS_TRANSPORT_OUTSIDE_PASSWORD=//p' "$work/env")"
@@ -114,14 +115,14 @@ cat > "$work/transport-agent.env" <<ENV
 TURNSTILE_NATS_URL=nats://transport-outside:$password@127.0.0.1:$port
 TURNSTILE_HOST=outside
 TURNSTILE_DATA_DIR=$outside_data
-TURNSTILE_AGENT_BIN=$PWD/target/release/turnstile
+TURNSTILE_AGENT_BIN=$PWD/$bin/turnstile
 ENV
 ( set -a; . "$work/transport-agent.env"; set +a; exec "$binary" ) \
   > "$work/outside.log" 2>&1 &
 outside_pid=$!
 export TURNSTILE_NATS_URL="nats://cli:$(sed -n 's/^TS_CLI_PASSWORD=//p' "$work/env")@127.0.0.1:$port"
 deadline=$((SECONDS + 60))
-until outside="$(target/release/turnstile session create --agent mock --name outside \
+until outside="$("$bin/turnstile" session create --agent mock --name outside \
                    --host outside 2>/dev/null)"; do
   if [ "$SECONDS" -gt "$deadline" ]; then
     echo "test-compose: the host outside compose never joined" >&2
@@ -130,7 +131,7 @@ until outside="$(target/release/turnstile session create --agent mock --name out
   fi
   sleep 1
 done
-reply="$(target/release/turnstile session send "$outside" '!reply hello from outside' --wait --timeout 60s)"
+reply="$("$bin/turnstile" session send "$outside" '!reply hello from outside' --wait --timeout 60s)"
 if ! printf '%s' "$reply" | grep -q 'hello from outside'; then
   echo "test-compose: the outside host's turn did not reply: $reply" >&2
   tail -30 "$work/outside.log" >&2

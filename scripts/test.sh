@@ -16,5 +16,6 @@ cargo build --workspace --bins
 # Unit tests first, the integration suite last (its summary closes the run).
 cargo test --workspace --lib --bins
 cargo test -p turnstile-tests --test integration -- --test-threads "${TEST_THREADS:-2}"
-# The compose deployment on images built here (skips, saying why, without a Docker engine).
-scripts/test-compose.sh
+# The compose deployment on images built here from the binaries above (skips, saying why,
+# without a Docker engine).
+TURNSTILE_PROFILE=debug scripts/test-compose.sh
