@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The compose deployment, for real: images built here without a registry
-# (scripts/build-images.sh), docker-compose.yml brought up on them, every healthcheck healthy,
-# and a scheduled run of the mock agent completed end to end through the containers.
+# (scripts/build-images.sh), docker-compose.yml's cluster profile (three nats-server nodes,
+# three copies of every stream and bucket) brought up on them, every healthcheck healthy, a
+# scheduled run of the mock agent completed end to end through the containers, and a transport
+# agent outside compose running a turn.
 # Skips (exit 0, with the reason) when no Docker engine answers.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,7 +23,7 @@ bin="target/${TURNSTILE_PROFILE:-release}"
 project="tstest$$"
 work="$(mktemp -d)"
 compose() {
-  docker-compose -p "$project" --env-file "$work/env" --compatibility "$@"
+  docker-compose -p "$project" --env-file "$work/env" --compatibility --profile cluster "$@"
 }
 cleanup() {
   status=$?
@@ -43,9 +45,11 @@ trap cleanup EXIT
 # start with a letter: nats-server parses a variable's value as a config value, and one that
 # starts with a digit is read as a number (and refused).
 secret() { printf 'pw%s' "$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"; }
-# The shipped config's hosts plus one outside compose: a transport agent on this machine.
+# The shipped cluster config's hosts plus one outside compose: a transport agent on this
+# machine.
 "$bin/turnstile" admin nats-config --host host-a --host host-b --host outside \
-  > "$work/nats-server.conf"
+  --cluster-name turnstile --route nats://nats:6222 --route nats://nats-2:6222 \
+  --route nats://nats-3:6222 > "$work/nats-server.conf"
 {
   for var in TS_LANE_PASSWORD TS_TRANSPORT_HOST_A_PASSWORD TS_TRANSPORT_HOST_B_PASSWORD \
              TS_TRANSPORT_OUTSIDE_PASSWORD \
@@ -55,6 +59,7 @@ secret() { printf 'pw%s' "$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
   done
   echo "NATS_CONFIG=$work/nats-server.conf"
   echo "TURNSTILE_ENV_FILE=$work/env"
+  echo "TURNSTILE_REPLICAS=3"
   echo "TS_AUTH_ISSUER=$("$bin/turnstile" admin issuer --seed-file "$work/issuer.nk")"
   echo "TURNSTILE_ISSUER_SEED=$work/issuer.nk"
   echo "NATS_PORT=${TEST_NATS_PORT:-14222}"
@@ -85,6 +90,22 @@ while :; do
   sleep 2
 done
 echo "test-compose: every healthcheck healthy"
+
+# Every stream and bucket has three copies, on three servers (nats-server's /jsz).
+monitor="$(sed -n 's/^NATS_MONITOR_PORT=//p' "$work/env")"
+python3 - "$monitor" <<'PY'
+import json, sys, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/jsz?accounts=true&streams=true&config=true"
+jsz = json.load(urllib.request.urlopen(url, timeout=5))
+streams = [s for a in jsz.get("account_details", []) for s in a.get("stream_detail", [])]
+names = sorted(s["name"] for s in streams)
+short = [s["name"] for s in streams if s["config"].get("num_replicas") != 3]
+peers = {s["name"]: 1 + len(s.get("cluster", {}).get("replicas", [])) for s in streams}
+assert len(streams) == 14, f"expected 6 streams and 8 buckets, found {names}"
+assert not short, f"not three copies: {short}"
+assert all(n == 3 for n in peers.values()), f"copies placed: {peers}"
+print(f"test-compose: {len(streams)} streams and buckets, three copies each")
+PY
 
 cli() { compose run --rm -T cli "$@"; }
 session="$(cli session create --agent mock --name compose-demo | tr -d '\r')"

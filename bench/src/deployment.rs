@@ -73,6 +73,7 @@ impl Deployment {
             name: "turnstile-bench".into(),
             listen: "127.0.0.1:4222".into(),
             http: None,
+            cluster: None,
         };
         let config = dir.path().join("nats-server.conf");
         std::fs::write(&config, render_with(&settings, &hosts, &[floor]))?;

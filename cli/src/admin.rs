@@ -47,6 +47,14 @@ pub enum AdminCommand {
         /// HTTP monitoring address; `none` for none.
         #[arg(long, default_value = "0.0.0.0:8222")]
         http: String,
+        /// Make it one node's config of a JetStream cluster of this name (with `--route`).
+        #[arg(long, requires = "routes")]
+        cluster_name: Option<String>,
+        #[arg(long, default_value = "0.0.0.0:6222")]
+        cluster_listen: String,
+        /// Every node's route URL, e.g. `nats://nats-2:6222` (repeat for each).
+        #[arg(long = "route")]
+        routes: Vec<String>,
     },
 }
 
@@ -62,11 +70,21 @@ pub async fn run(url: &str, cmd: AdminCommand) -> anyhow::Result<ExitCode> {
             name,
             listen,
             http,
+            cluster_name,
+            cluster_listen,
+            routes,
         } => {
             let settings = turnstile_shared::server_config::ServerSettings {
                 name,
                 listen,
                 http: (http != "none").then_some(http),
+                cluster: cluster_name.map(|name| {
+                    turnstile_shared::server_config::ClusterSettings {
+                        name,
+                        listen: cluster_listen,
+                        routes,
+                    }
+                }),
             };
             print!(
                 "{}",

@@ -32,6 +32,10 @@ pub struct TopologyArgs {
     /// A host that has not heartbeaten for this long counts as gone.
     #[arg(long, env = "TURNSTILE_HOST_TTL", default_value = "15s", value_parser = crate::duration::parse_flag)]
     pub host_ttl: Duration,
+    /// Copies of every stream and bucket (provisioning): 1 on a single nats-server, 3 in a
+    /// three-node JetStream cluster.
+    #[arg(long, env = "TURNSTILE_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub replicas: u8,
 }
 
 impl TopologyArgs {
@@ -41,6 +45,7 @@ impl TopologyArgs {
             lane_pin_ttl: self.lane_pin_ttl,
             transport_ack_wait: self.transport_ack_wait,
             host_ttl: self.host_ttl,
+            replicas: usize::from(self.replicas),
             ..TopologyConfig::default()
         }
     }

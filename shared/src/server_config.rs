@@ -13,6 +13,17 @@ pub struct ServerSettings {
     pub listen: String,
     /// HTTP monitoring (`/varz`, `/jsz` ...), if any.
     pub http: Option<String>,
+    /// A JetStream cluster this server is one node of, if any.
+    pub cluster: Option<ClusterSettings>,
+}
+
+/// The `cluster` block: every node of a cluster runs the same file, each with its own
+/// `server_name` given on its command line (`-n`).
+pub struct ClusterSettings {
+    pub name: String,
+    pub listen: String,
+    /// Every node's route URL (`nats://host:6222`), its own included.
+    pub routes: Vec<String>,
 }
 
 /// A user outside the deployment's roles (the benchmark's raw JetStream floor client).
@@ -31,7 +42,13 @@ pub fn render(settings: &ServerSettings, hosts: &[HostName]) -> String {
 /// Like [`render`], with users of the deployment's account besides its roles.
 pub fn render_with(settings: &ServerSettings, hosts: &[HostName], extra: &[ExtraUser]) -> String {
     let roles = Role::all(hosts);
-    let host_args: String = hosts.iter().map(|h| format!(" --host {h}")).collect();
+    let mut host_args: String = hosts.iter().map(|h| format!(" --host {h}")).collect();
+    if let Some(c) = &settings.cluster {
+        host_args.push_str(&format!(" --cluster-name {}", c.name));
+        for r in &c.routes {
+            host_args.push_str(&format!(" --route {r}"));
+        }
+    }
     let vars: Vec<String> = roles
         .iter()
         .map(Role::password_var)
@@ -67,6 +84,17 @@ pub fn render_with(settings: &ServerSettings, hosts: &[HostName], extra: &[Extra
             "# HTTP monitoring; keep it off the public network.\nhttp: {http}\n"
         ));
     }
+    if let Some(c) = &settings.cluster {
+        out.push_str(&format!(
+            "\n# One node of the JetStream cluster {name}: every node runs this file, each with its\n\
+             # own server name on its command line (`-n NAME`). Keep the route port off public\n\
+             # networks: routes carry no credentials here.\n\
+             cluster {{\n  name: {name}\n  listen: {listen}\n  routes: {routes}\n}}\n",
+            name = c.name,
+            listen = c.listen,
+            routes = list(&c.routes, 4),
+        ));
+    }
     let users: Vec<String> = roles
         .iter()
         .map(Role::user)
@@ -82,9 +110,16 @@ pub fn render_with(settings: &ServerSettings, hosts: &[HostName], extra: &[Extra
          \x20   account: {ACCOUNT}\n\
          \x20   # Checked against this file; everyone else goes to the callout.\n\
          \x20   auth_users: [\n{}\n    ]\n  }}\n}}\n\n\
-         jetstream {{\n  # Every stream and bucket is file-backed; the store is `-sd DIR`.\n}}\n\n\
+         jetstream {{\n  # Every stream and bucket is file-backed; the store is `-sd DIR`.\n{}}}\n\n\
          accounts {{\n",
-        wrap(&users.join(", "), "      ")
+        wrap(&users.join(", "), "      "),
+        if settings.cluster.is_some() {
+            "  # A cluster syncs every write to disk before acknowledging it: the default\n  \
+             # interval loses acknowledged writes when a machine loses power (docs/deploy.md).\n  \
+             sync_interval: always\n"
+        } else {
+            ""
+        }
     ));
     for account in [ACCOUNT, SYSTEM_ACCOUNT] {
         out.push_str(&format!("  {account} {{\n"));
@@ -189,6 +224,7 @@ mod tests {
                 name: "n".into(),
                 listen: "127.0.0.1:4222".into(),
                 http: None,
+                cluster: None,
             },
             &hosts,
         );

@@ -24,6 +24,9 @@ pub struct TopologyConfig {
     pub max_consumers: i32,
     /// How long lifecycle events are kept.
     pub events_max_age: Duration,
+    /// Copies of every stream and bucket in a JetStream cluster (1 on a single server; 3 to
+    /// survive the loss of any one of three servers).
+    pub replicas: usize,
 }
 
 impl Default for TopologyConfig {
@@ -35,6 +38,7 @@ impl Default for TopologyConfig {
             host_ttl: Duration::from_secs(15),
             max_consumers: 1_000_000,
             events_max_age: Duration::from_secs(7 * 24 * 3600),
+            replicas: 1,
         }
     }
 }
@@ -169,6 +173,7 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
     ];
     for s in &mut streams {
         s.max_consumers = cfg.max_consumers;
+        s.num_replicas = cfg.replicas;
         if s.retention == Limits {
             s.max_age = cfg.events_max_age;
         }
@@ -187,6 +192,7 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         history: 1,
         max_age,
         storage: stream::StorageType::File,
+        num_replicas: cfg.replicas,
         ..Default::default()
     };
     for config in [

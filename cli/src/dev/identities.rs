@@ -56,6 +56,7 @@ impl Identities {
             name: "turnstile-dev".into(),
             listen: format!("127.0.0.1:{port}"),
             http: None,
+            cluster: None,
         };
         std::fs::write(&config, render(&settings, &hosts))
             .with_context(|| format!("write {}", config.display()))?;

@@ -159,25 +159,35 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
 /// permission table (and the table is what every other test runs on).
 #[test]
 fn the_shipped_server_config_is_the_generators_output() -> Result<()> {
-    let mut args = vec!["admin", "nats-config"];
+    let mut single: Vec<String> = vec!["admin".into(), "nats-config".into()];
     for h in crate::stack::SHIPPED_HOSTS {
-        args.extend(["--host", h]);
+        single.extend(["--host".to_string(), h.to_string()]);
     }
-    let out = std::process::Command::new(turnstile_tests::bin_path("turnstile")?)
-        .args(&args)
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let shipped = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats-server.conf"),
-    )?;
-    ensure!(
-        shipped == String::from_utf8(out.stdout)?,
-        "deploy/nats-server.conf is not `turnstile {}`: run it again",
-        args.join(" ")
-    );
+    // The compose file's cluster profile: three nodes named after their services.
+    let mut cluster = single.clone();
+    cluster.extend(["--cluster-name".to_string(), "turnstile".to_string()]);
+    for node in ["nats", "nats-2", "nats-3"] {
+        cluster.extend(["--route".to_string(), format!("nats://{node}:6222")]);
+    }
+    for (args, file) in [(single, "nats-server.conf"), (cluster, "nats-cluster.conf")] {
+        let out = std::process::Command::new(turnstile_tests::bin_path("turnstile")?)
+            .args(&args)
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let shipped = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../deploy")
+                .join(file),
+        )?;
+        ensure!(
+            shipped == String::from_utf8(out.stdout)?,
+            "deploy/{file} is not `turnstile {}`: run it again",
+            args.join(" ")
+        );
+    }
     Ok(())
 }
