@@ -60,6 +60,7 @@ secret() { printf 'pw%s' "$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
   echo "NATS_CONFIG=$work/nats-server.conf"
   echo "TURNSTILE_ENV_FILE=$work/env"
   echo "TURNSTILE_REPLICAS=3"
+  echo "NATS_SERVERS=nats:4222,nats-2:4222,nats-3:4222"
   echo "TS_AUTH_ISSUER=$("$bin/turnstile" admin issuer --seed-file "$work/issuer.nk")"
   echo "TURNSTILE_ISSUER_SEED=$work/issuer.nk"
   echo "NATS_PORT=${TEST_NATS_PORT:-14222}"

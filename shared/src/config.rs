@@ -69,6 +69,25 @@ pub fn split_credentials(url: &str) -> (String, Option<(String, String)>) {
     (bare, Some((user.to_string(), password.to_string())))
 }
 
+/// The servers of a URL that lists several, `nats://a:4222,b:4222,c:4222` (credentials, when
+/// given, come first: `nats://user:pw@a:4222,b:4222`): a cluster's nodes to try in turn, so a
+/// client's first connection does not depend on one of them. The client learns the rest of the
+/// cluster from whichever answers.
+pub fn seed_servers(bare: &str) -> Vec<String> {
+    let scheme = bare.split_once("://").map_or("nats", |(s, _)| s);
+    bare.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            if s.contains("://") {
+                s.to_string()
+            } else {
+                format!("{scheme}://{s}")
+            }
+        })
+        .collect()
+}
+
 fn options(url: &str, name: &str) -> (String, async_nats::ConnectOptions) {
     options_or(url, name, None)
 }
@@ -183,7 +202,7 @@ pub async fn connect(
     let (bare, opts) = options(url, name);
     opts.retry_on_initial_connect()
         .max_reconnects(None)
-        .connect(bare)
+        .connect(seed_servers(&bare))
         .await
 }
 
@@ -191,7 +210,7 @@ pub async fn connect(
 /// without its credentials.
 pub async fn connect_once(url: &str, name: &str) -> Result<async_nats::Client, StartError> {
     let (bare, opts) = options(url, name);
-    opts.connect(bare.clone())
+    opts.connect(seed_servers(&bare))
         .await
         .map_err(|source| StartError::Connect { url: bare, source })
 }
@@ -269,6 +288,17 @@ mod tests {
         assert_eq!(
             split_credentials("localhost"),
             ("localhost".to_string(), None)
+        );
+        // A cluster's seed list: the credentials once, every server after them.
+        let (bare, creds) = split_credentials("nats://lane:s3cret@nats:4222,nats-2:4222");
+        assert_eq!(creds, Some(("lane".to_string(), "s3cret".to_string())));
+        assert_eq!(
+            seed_servers(&bare),
+            vec!["nats://nats:4222".to_string(), "nats://nats-2:4222".to_string()]
+        );
+        assert_eq!(
+            seed_servers("tls://a:4222, tls://b:4222"),
+            vec!["tls://a:4222".to_string(), "tls://b:4222".to_string()]
         );
     }
 }

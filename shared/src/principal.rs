@@ -101,7 +101,7 @@ pub async fn connect(
     if let Some(p) = principal {
         opts = opts.custom_inbox_prefix(subj::inbox(&p.to_string()));
     }
-    opts.connect(bare.clone())
+    opts.connect(crate::config::seed_servers(&bare))
         .await
         .map_err(|source| crate::config::StartError::Connect { url: bare, source })
 }
