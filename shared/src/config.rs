@@ -294,7 +294,10 @@ mod tests {
         assert_eq!(creds, Some(("lane".to_string(), "s3cret".to_string())));
         assert_eq!(
             seed_servers(&bare),
-            vec!["nats://nats:4222".to_string(), "nats://nats-2:4222".to_string()]
+            vec![
+                "nats://nats:4222".to_string(),
+                "nats://nats-2:4222".to_string()
+            ]
         );
         assert_eq!(
             seed_servers("tls://a:4222, tls://b:4222"),
