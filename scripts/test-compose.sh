@@ -160,3 +160,56 @@ if ! printf '%s' "$reply" | grep -q 'hello from outside'; then
   exit 1
 fi
 echo "test-compose: a transport agent outside compose ran a turn"
+
+# The nats node leading the lane stream is killed mid-run (acceptance 2): the run completes,
+# each message is typed exactly once, and each step's result is handed over exactly once. On a
+# host inside compose, whose agents have every node as a seed.
+inside="$(cli session create --agent mock --name failover --host host-a | tr -d '\r')"
+"$bin/turnstile" run start --session "$inside" --wait \
+  --message $'failover-m1\n!step fa 1s --scope run' --message $'failover-m2\n!sleep 2s' \
+  --message $'failover-m3\n!step fb 1s --scope run' --message $'failover-m4\n!sleep 1s' \
+  > "$work/run.out" 2>&1 &
+run_pid=$!
+sleep 2
+leader="$(python3 - "$monitor" <<'PY'
+import json, sys, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/jsz?accounts=true&streams=true"
+jsz = json.load(urllib.request.urlopen(url, timeout=5))
+for a in jsz.get("account_details", []):
+    for s in a.get("stream_detail", []):
+        if s["name"] == "TS_LANE":
+            print(s["cluster"]["leader"])
+PY
+)"
+case "$leader" in
+  turnstile-nats) node=nats ;;
+  *) node="$leader" ;;
+esac
+docker kill "$(compose ps -q "$node")" >/dev/null
+echo "test-compose: killed $node, the lane stream's leader, mid-run"
+if ! wait "$run_pid"; then
+  echo "test-compose: the run did not complete after its leader was killed:" >&2
+  cat "$work/run.out" >&2
+  tail -30 "$work/outside.log" >&2
+  exit 1
+fi
+transcript="$(docker exec "$(compose ps -q transport-host-a)" \
+  sh -c 'cat /var/lib/turnstile/mock-agent/*.jsonl')"
+for m in failover-m1 failover-m2 failover-m3 failover-m4; do
+  n="$(printf '%s\n' "$transcript" | grep -c "$m" || true)"
+  if [ "$n" != 1 ]; then
+    echo "test-compose: $m was typed $n times" >&2
+    exit 1
+  fi
+done
+# A delivery lists each result as `- <name> [<status>] <id>: <summary>`.
+for s in fa fb; do
+  n="$( (printf '%s\n' "$transcript" | grep -o -- "- $s \[completed\]" || true) | wc -l)"
+  if [ "$n" != 1 ]; then
+    echo "test-compose: step $s's result was handed over $n times" >&2
+    printf '%s\n' "$transcript" >&2
+    exit 1
+  fi
+done
+echo "test-compose: the run completed after its leader was killed: every message typed once, each step's result handed over once"
+docker start "$(compose ps -q "$node")" >/dev/null

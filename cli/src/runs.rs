@@ -10,6 +10,7 @@ use clap::{Args, Subcommand};
 use futures::StreamExt;
 use turnstile_shared::api;
 use turnstile_shared::duration;
+use turnstile_shared::retry::Backoff;
 use turnstile_shared::runs::{RunLimits, RunRecord, RunRef, RunState, StartRun};
 use turnstile_shared::schedules::ListRuns;
 use turnstile_shared::subjects::{self, api as subj};
@@ -173,6 +174,24 @@ pub async fn run(url: &str, cmd: RunCommand) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// How `run start --wait` re-establishes a broken watch.
+const WATCH_RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+
+/// The run's record once it has ended, from a watch of its key; `None` when the watch ends.
+async fn terminal(
+    watch: &mut async_nats::jetstream::kv::Watch,
+) -> anyhow::Result<Option<RunRecord>> {
+    while let Some(entry) = watch.next().await {
+        let entry = entry.context("run watch")?;
+        if let Ok(r) = serde_json::from_slice::<RunRecord>(&entry.value) {
+            if r.state.is_terminal() {
+                return Ok(Some(r));
+            }
+        }
+    }
+    Ok(None)
+}
+
 async fn start(
     client: &async_nats::Client,
     req: StartRun,
@@ -180,23 +199,23 @@ async fn start(
     json: bool,
 ) -> anyhow::Result<ExitCode> {
     // Watch before starting, so the outcome cannot slip by between the two.
-    let watch = match (&req.id, wait) {
+    let watched = match (&req.id, wait) {
         (Some(id), true) => {
             let js = async_nats::jetstream::new(client.clone());
             let kv = js
                 .get_key_value(subjects::RUNS_BUCKET)
                 .await
                 .context("open runs bucket")?;
-            Some(
-                kv.watch_with_history(id.as_str())
-                    .await
-                    .context("watch run")?,
-            )
+            let watch = kv
+                .watch_with_history(id.as_str())
+                .await
+                .context("watch run")?;
+            Some((kv, watch))
         }
         _ => None,
     };
     let rec: RunRecord = api::call(client, subj::RUNS_START, &req, API_TIMEOUT).await?;
-    let Some(mut watch) = watch else {
+    let Some((kv, mut watch)) = watched else {
         if json {
             println!("{}", serde_json::to_string(&rec)?);
         } else {
@@ -207,18 +226,20 @@ async fn start(
     if !json {
         println!("{}", rec.id);
     }
-    let mut last = None;
-    while let Some(entry) = watch.next().await {
-        let entry = entry.context("run watch")?;
-        if let Ok(r) = serde_json::from_slice::<RunRecord>(&entry.value) {
-            if r.state.is_terminal() {
-                last = Some(r);
-                break;
-            }
+    // A watch can break while the run goes on (its stream's leader moving to another server in
+    // a cluster): watch again, from the latest record, until the run has ended.
+    let mut delays = WATCH_RETRY.delays();
+    let rec = loop {
+        match terminal(&mut watch).await {
+            Ok(Some(r)) => break r,
+            Ok(None) => eprintln!("run watch ended; watching {} again", rec.id),
+            Err(e) => eprintln!("run watch interrupted ({e:#}); watching {} again", rec.id),
         }
-    }
-    let Some(rec) = last else {
-        anyhow::bail!("run watch ended before run {} did", rec.id);
+        delays.wait().await;
+        match kv.watch_with_history(rec.id.as_str()).await {
+            Ok(w) => watch = w,
+            Err(e) => eprintln!("watch run {} again: {e}", rec.id),
+        }
     };
     if json {
         println!("{}", serde_json::to_string(&rec)?);
