@@ -33,7 +33,7 @@ trap 'rm -rf "$work"' EXIT
 if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   if ! command -v debootstrap >/dev/null; then
     echo "build-images: installing debootstrap" >&2
-    apt-get install -y debootstrap >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
   fi
   echo "build-images: debootstrap bookworm (minbase) from $DEBIAN_MIRROR" >&2
   debootstrap --variant=minbase --include=tmux,ca-certificates bookworm "$work/rootfs" \
