@@ -213,3 +213,48 @@ for s in fa fb; do
 done
 echo "test-compose: the run completed after its leader was killed: every message typed once, each step's result handed over once"
 docker start "$(compose ps -q "$node")" >/dev/null
+
+# A transport host container is killed (acceptance 5): the turn it was running fails
+# `transport_unavailable` with evidence, the other host's sessions are untouched, and after
+# `docker start` its session resumes its conversation.
+other="$(cli session create --agent mock --name other-host --host host-b | tr -d '\r')"
+long="$("$bin/turnstile" session send "$inside" $'hostkill-long\n!sleep 60s' | tr -d '\r')"
+case "$long" in
+  trn_*) ;;
+  *) echo "test-compose: session send printed no turn id: $long" >&2; exit 1 ;;
+esac
+sleep 2
+host_a="$(compose ps -q transport-host-a)"
+docker kill "$host_a" >/dev/null
+echo "test-compose: killed transport-host-a during a turn"
+if ! "$bin/turnstile" session send "$other" '!reply host-b untouched' --wait --timeout 60s \
+     > "$work/other.out"; then
+  echo "test-compose: host-b's session was disturbed: $(cat "$work/other.out")" >&2
+  exit 1
+fi
+deadline=$((SECONDS + 90))
+until "$bin/turnstile" events --session "$inside" --replay --no-follow --json \
+        | grep "$long" | grep -q transport_unavailable; do
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "test-compose: the killed host's turn did not fail transport_unavailable" >&2
+    "$bin/turnstile" events --session "$inside" --replay --no-follow >&2 || true
+    exit 1
+  fi
+  sleep 2
+done
+echo "test-compose: its turn failed transport_unavailable; host-b's session went on"
+docker start "$host_a" >/dev/null
+if ! "$bin/turnstile" session send "$inside" $'hostkill-after\n!reply resumed' --wait \
+     --timeout 120s > "$work/resumed.out"; then
+  echo "test-compose: the session did not come back: $(cat "$work/resumed.out")" >&2
+  exit 1
+fi
+# The same conversation goes on: the earlier messages and the new one share its transcript.
+resumed="$(docker exec "$host_a" sh -c 'grep -l hostkill-after /var/lib/turnstile/mock-agent/*.jsonl | xargs cat')"
+for m in failover-m1 hostkill-long hostkill-after; do
+  if ! printf '%s\n' "$resumed" | grep -q "$m"; then
+    echo "test-compose: the resumed conversation lacks $m" >&2
+    exit 1
+  fi
+done
+echo "test-compose: after docker start the session resumed its conversation"
