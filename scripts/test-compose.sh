@@ -258,3 +258,37 @@ for m in failover-m1 hostkill-long hostkill-after; do
   fi
 done
 echo "test-compose: after docker start the session resumed its conversation"
+
+# Down and up again with the volumes kept (acceptance 6): the sessions and the schedule are
+# still there, and the schedule's next slot fires and completes.
+completed() {
+  (cli run list --schedule compose-every-5s --json | grep -o '"completed"' || true) | wc -l
+}
+before="$(completed)"
+compose down >/dev/null 2>&1
+compose up -d --no-build >/dev/null 2>&1
+deadline=$((SECONDS + 180))
+until [ "$(compose ps -q | xargs docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{else}}healthy{{end}}' | sort -u)" = healthy ]; do
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "test-compose: not healthy again within 180 s after down/up" >&2
+    exit 1
+  fi
+  sleep 2
+done
+sessions="$(cli session list)"
+for s in "$session" "$inside" "$other"; do
+  if ! printf '%s\n' "$sessions" | grep -q "$s"; then
+    echo "test-compose: session $s is gone after down/up" >&2
+    exit 1
+  fi
+done
+cli schedule show compose-every-5s >/dev/null
+deadline=$((SECONDS + 120))
+until [ "$(completed)" -gt "$before" ]; do
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "test-compose: no slot fired and completed after down/up ($before before)" >&2
+    exit 1
+  fi
+  sleep 2
+done
+echo "test-compose: after down/up every session and the schedule are there and its next slot completed"
