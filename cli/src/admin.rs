@@ -100,13 +100,8 @@ pub fn issuer(path: &Path) -> anyhow::Result<String> {
     if path.exists() {
         let seed =
             std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
-        let key = nkeys::KeyPair::from_seed(seed.trim())
-            .with_context(|| format!("{} holds no account seed", path.display()))?;
-        anyhow::ensure!(
-            seed.trim().starts_with("SA"),
-            "{} holds a seed, but not an account's (SA...)",
-            path.display()
-        );
+        let key = turnstile_notification_broker::account_key(&seed)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         return Ok(key.public_key());
     }
     let key = nkeys::KeyPair::new_account();

@@ -35,7 +35,7 @@ use turnstile_shared::config::{Connected, StartError};
 use turnstile_shared::topology::{Buckets, TopologyConfig};
 use turnstile_shared::ExecutionId;
 
-pub use callout::CalloutConfig;
+pub use callout::{account_key, CalloutConfig};
 
 #[derive(Debug, Clone)]
 pub struct Config {

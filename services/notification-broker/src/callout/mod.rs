@@ -48,7 +48,7 @@ impl std::fmt::Debug for CalloutConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CalloutError {
-    #[error("the auth callout issuer seed is not an account seed: {0}")]
+    #[error("the auth callout issuer seed: {0}")]
     Seed(String),
     #[error("subscribe to {subject}: {source}")]
     Subscribe {
@@ -59,18 +59,23 @@ pub enum CalloutError {
     Connect(#[from] turnstile_shared::config::StartError),
 }
 
+/// The signing key from an account seed (`SA…`): the one check of it, for the broker and
+/// `turnstile admin issuer`.
+pub fn account_key(seed: &str) -> Result<nkeys::KeyPair, String> {
+    let seed = seed.trim();
+    if !seed.starts_with("SA") {
+        return Err("not an account seed (it must start with SA)".into());
+    }
+    nkeys::KeyPair::from_seed(seed).map_err(|e| e.to_string())
+}
+
 /// Answers auth callouts until `shutdown`, and ends stopped sessions' connections.
 pub(crate) async fn run(
     ctx: Arc<Ctx>,
     config: CalloutConfig,
     shutdown: CancellationToken,
 ) -> Result<(), CalloutError> {
-    let issuer = nkeys::KeyPair::from_seed(config.issuer_seed.trim())
-        .map_err(|e| CalloutError::Seed(e.to_string()))?;
-    if !config.issuer_seed.trim().starts_with("SA") {
-        return Err(CalloutError::Seed("it must start with SA".into()));
-    }
-    let issuer = Arc::new(issuer);
+    let issuer = Arc::new(account_key(&config.issuer_seed).map_err(CalloutError::Seed)?);
     let mut requests = ctx
         .client
         .queue_subscribe(subj::AUTH_CALLOUT, subj::AUTH_CALLOUT_GROUP.to_string())

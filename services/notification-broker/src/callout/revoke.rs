@@ -45,7 +45,7 @@ impl Revoker {
                 .subscribe(subject)
                 .await
                 .map_err(|source| CalloutError::Subscribe {
-                    subject: "session stops",
+                    subject: "the session stop events",
                     source,
                 })?;
         let shutdown = shutdown.clone();
