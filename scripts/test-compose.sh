@@ -30,6 +30,11 @@ cleanup() {
   if [ "$status" -ne 0 ]; then
     echo "test-compose: FAILED; the deployment's logs:" >&2
     compose logs --no-color --tail 60 >&2 || true
+    # Last, so that a log cut to its tail still says what failed.
+    for f in "$work"/*.out; do
+      [ -s "$f" ] && { echo "--- $(basename "$f"):"; tail -20 "$f"; } >&2
+    done
+    echo "test-compose: FAILED at: ${stage:-start-up} (exit $status; the reason is printed above the logs)" >&2
   fi
   if [ -n "${outside_pid:-}" ]; then kill "$outside_pid" 2>/dev/null || true; fi
   if [ -n "${outside_data:-}" ]; then
@@ -71,6 +76,7 @@ secret() { printf 'pw%s' "$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
 chmod 0644 "$work/issuer.nk"   # read by the broker's (non-root) user inside its container
 
 compose up -d --no-build
+stage="every healthcheck healthy"
 
 # Every container with a healthcheck turns healthy (bounded).
 deadline=$((SECONDS + 180))
@@ -92,6 +98,7 @@ while :; do
 done
 echo "test-compose: every healthcheck healthy"
 
+stage="three copies of every stream"
 # Every stream and bucket has three copies, on three servers (nats-server's /jsz).
 monitor="$(sed -n 's/^NATS_MONITOR_PORT=//p' "$work/env")"
 python3 - "$monitor" <<'PY'
@@ -102,13 +109,14 @@ streams = [s for a in jsz.get("account_details", []) for s in a.get("stream_deta
 names = sorted(s["name"] for s in streams)
 short = [s["name"] for s in streams if s["config"].get("num_replicas") != 3]
 peers = {s["name"]: 1 + len(s.get("cluster", {}).get("replicas", [])) for s in streams}
-assert len(streams) == 14, f"expected 6 streams and 8 buckets, found {names}"
+assert len(streams) == 15, f"expected 6 streams and 9 buckets, found {names}"
 assert not short, f"not three copies: {short}"
 assert all(n == 3 for n in peers.values()), f"copies placed: {peers}"
 print(f"test-compose: {len(streams)} streams and buckets, three copies each")
 PY
 
 cli() { compose run --rm -T cli "$@"; }
+stage="a scheduled run completes"
 session="$(cli session create --agent mock --name compose-demo | tr -d '\r')"
 echo "test-compose: session $session"
 cli schedule add --name compose-every-5s --cron '*/5 * * * * *' --tz UTC \
@@ -124,6 +132,7 @@ until cli run list --schedule compose-every-5s --json | grep -q '"completed"'; d
 done
 echo "test-compose: a scheduled run of the mock agent completed"
 
+stage="a transport agent outside compose"
 # A host outside compose joins through the published port, started the way the shipped systemd
 # unit starts it: its ExecStart with an environment file holding its own host's credentials.
 unit=deploy/turnstile-transport-agent.service
@@ -161,6 +170,7 @@ if ! printf '%s' "$reply" | grep -q 'hello from outside'; then
 fi
 echo "test-compose: a transport agent outside compose ran a turn"
 
+stage="the lane stream leader killed mid-run"
 # The nats node leading the lane stream is killed mid-run (acceptance 2): the run completes,
 # each message is typed exactly once, and each step's result is handed over exactly once. On a
 # host inside compose, whose agents have every node as a seed.
@@ -214,6 +224,7 @@ done
 echo "test-compose: the run completed after its leader was killed: every message typed once, each step's result handed over once"
 docker start "$(compose ps -q "$node")" >/dev/null
 
+stage="a transport host container killed"
 # A transport host container is killed (acceptance 5): the turn it was running fails
 # `transport_unavailable` with evidence, the other host's sessions are untouched, and after
 # `docker start` its session resumes its conversation.
@@ -259,6 +270,7 @@ for m in failover-m1 hostkill-long hostkill-after; do
 done
 echo "test-compose: after docker start the session resumed its conversation"
 
+stage="down and up again"
 # Down and up again with the volumes kept (acceptance 6): the sessions and the schedule are
 # still there, and the schedule's next slot fires and completes.
 compose down >/dev/null 2>&1

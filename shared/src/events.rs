@@ -218,14 +218,31 @@ pub async fn send_to(
     }
     let publish = publish.message_id(env.id.clone());
     let ack = js
-        .send_publish(subject.clone(), publish)
+        .send_publish(subject.clone(), publish.clone())
         .await
         .map_err(|e| PublishError::Nats {
             subject: subject.clone(),
             source: e.into(),
         })?;
+    let js = js.clone();
     Ok(async move {
-        ack.await.map(|_| ()).map_err(|e| PublishError::Nats {
+        let mut result = ack.await;
+        // Another replica is storing the same message id right now (replicas that race to
+        // do the same thing, by design). Its write either lands, and the repeat is then
+        // acknowledged as a duplicate, or fails, and the repeat stores ours.
+        let mut attempt = 0;
+        while let Err(e) = &result {
+            attempt += 1;
+            if attempt > 5 || !crate::js_codes::is_duplicate_in_process(e) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20 * attempt)).await;
+            result = match js.send_publish(subject.clone(), publish.clone()).await {
+                Ok(ack) => ack.await,
+                Err(e) => Err(e),
+            };
+        }
+        result.map(|_| ()).map_err(|e| PublishError::Nats {
             subject,
             source: e.into(),
         })

@@ -110,12 +110,28 @@ impl Bucket {
     }
 
     /// Writes only if the key does not exist; `Ok(None)` when it already did.
+    ///
+    /// On a clustered bucket a lost create comes back as a sequence mismatch, and the read
+    /// that tells "exists" from "deleted" may be served by a replica that has not applied the
+    /// winner's write yet; the create is then tried again (bounded) until the read agrees.
     pub async fn create<T: Serialize>(&self, key: &str, value: &T) -> Result<Option<u64>, KvError> {
+        const ATTEMPTS: u64 = 5;
         let bytes = self.encode(key, value)?;
-        match self.store.create(key, bytes).await {
-            Ok(rev) => Ok(Some(rev)),
-            Err(e) if e.kind() == CreateErrorKind::AlreadyExists => Ok(None),
-            Err(e) => Err(self.nats("create", key, e)),
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.store.create(key, bytes.clone()).await {
+                Ok(rev) => return Ok(Some(rev)),
+                Err(e) if e.kind() == CreateErrorKind::AlreadyExists => return Ok(None),
+                Err(e) if crate::js_codes::is_wrong_last_sequence(&e) => {
+                    if attempt >= ATTEMPTS {
+                        // The stream leader says a value is there; only the read lags.
+                        return Ok(None);
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(10 * attempt)).await;
+                }
+                Err(e) => return Err(self.nats("create", key, e)),
+            }
         }
     }
 
@@ -129,7 +145,12 @@ impl Bucket {
         let bytes = self.encode(key, value)?;
         match self.store.update(key, bytes, revision).await {
             Ok(rev) => Ok(Some(rev)),
-            Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Ok(None),
+            Err(e)
+                if e.kind() == UpdateErrorKind::WrongLastRevision
+                    || crate::js_codes::is_wrong_last_sequence(&e) =>
+            {
+                Ok(None)
+            }
             Err(e) => Err(self.nats("update", key, e)),
         }
     }
@@ -138,7 +159,10 @@ impl Bucket {
     pub async fn delete_at(&self, key: &str, revision: u64) -> Result<bool, KvError> {
         match self.store.delete_expect_revision(key, Some(revision)).await {
             Ok(()) => Ok(true),
-            Err(e) if e.kind() == async_nats::jetstream::kv::DeleteErrorKind::WrongLastRevision => {
+            Err(e)
+                if e.kind() == async_nats::jetstream::kv::DeleteErrorKind::WrongLastRevision
+                    || crate::js_codes::is_wrong_last_sequence(&e) =>
+            {
                 Ok(false)
             }
             Err(e) => Err(self.nats("delete", key, e)),
@@ -218,6 +242,51 @@ impl Bucket {
             key: key.to_string(),
             attempts: ATTEMPTS,
         })
+    }
+
+    /// The live keys matching `filter` (a key pattern with `*`/`>` wildcards), read by one
+    /// server-side filtered consumer: its cost grows with the matches, not the bucket.
+    pub async fn keys_matching(&self, filter: &str) -> Result<Vec<String>, KvError> {
+        use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+        let err = |e: async_nats::Error| self.nats("keys", filter, e);
+        let consumer = self
+            .store
+            .stream
+            .create_consumer(OrderedConfig {
+                filter_subject: format!("{}{filter}", self.store.prefix),
+                headers_only: true,
+                deliver_policy: DeliverPolicy::LastPerSubject,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| err(e.into()))?;
+        let mut keys = Vec::new();
+        if consumer.cached_info().num_pending == 0 {
+            return Ok(keys);
+        }
+        let mut messages = consumer
+            .clone()
+            .messages()
+            .await
+            .map_err(|e| err(e.into()))?;
+        while let Some(m) = futures::StreamExt::next(&mut messages).await {
+            let m = m.map_err(|e| err(e.into()))?;
+            let live = m
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("KV-Operation"))
+                .is_none_or(|op| op.as_str() == "PUT");
+            if live {
+                if let Some(key) = m.subject.as_str().strip_prefix(&self.store.prefix) {
+                    keys.push(key.to_string());
+                }
+            }
+            let pending = m.info().map(|i| i.pending).unwrap_or(0);
+            if pending == 0 {
+                break;
+            }
+        }
+        Ok(keys)
     }
 
     /// Every live key's value (skipping unreadable ones, which are logged).

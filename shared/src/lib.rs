@@ -4,7 +4,8 @@
 //! Layout, from the bottom up (a module uses only those above it in this list):
 //!
 //! - `ids`, `names`, `duration`, `retry`, `private_file`: typed ids with prefixes; enum names
-//!   spelled once; the one duration grammar; the one retry policy; files that hold secrets.
+//!   spelled once; the one duration grammar; the one retry policy; files that hold secrets;
+//!   `js_codes`: the JetStream error codes branched on.
 //! - `subjects`: every stream, bucket, consumer and subject name (nothing else spells them);
 //!   `permissions`: who may use which of them; `server_config` writes the server's config
 //!   from it.
@@ -34,6 +35,7 @@ pub mod events;
 pub mod execution;
 pub mod health;
 pub mod ids;
+pub mod js_codes;
 pub mod kv;
 pub mod lane;
 pub mod names;

@@ -185,6 +185,8 @@ impl Role {
                 &[
                     // A stopped session's lane is purged; a handed-over completion deleted.
                     format!("$JS.API.STREAM.PURGE.{}", subjects::LANE_STREAM),
+                    // A departed replica's liveness and pin keys are purged, markers and all.
+                    format!("$JS.API.STREAM.PURGE.{}", subjects::REPLICAS_KV_STREAM),
                     format!("$JS.API.STREAM.MSG.DELETE.{}", subjects::COMPLETION_STREAM),
                     "ts.lane.>".into(),
                     subjects::TRANSPORT_ALL.into(),

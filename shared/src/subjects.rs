@@ -22,6 +22,9 @@ pub const RUNS_BUCKET: &str = "ts_runs";
 /// Schedules (key: name) and their slot records (key: `<name>.<secs>.<nanos>`, R11).
 pub const SCHEDULES_BUCKET: &str = "ts_schedules";
 pub const SLOTS_BUCKET: &str = "ts_slots";
+/// Session-lane replicas' liveness (`live.<replica>`, renewed every few hundred ms) and the lane
+/// pins each holds (`pin.<replica>.<session>`): how a survivor finds a dead replica's lanes.
+pub const REPLICAS_BUCKET: &str = "ts_replicas";
 
 /// Every stream `turnstile admin provision` creates.
 pub const ALL_STREAMS: [&str; 6] = [
@@ -34,7 +37,7 @@ pub const ALL_STREAMS: [&str; 6] = [
 ];
 
 /// Every KV bucket `turnstile admin provision` creates.
-pub const ALL_BUCKETS: [&str; 8] = [
+pub const ALL_BUCKETS: [&str; 9] = [
     SESSIONS_BUCKET,
     TURNS_BUCKET,
     HOSTS_BUCKET,
@@ -43,10 +46,13 @@ pub const ALL_BUCKETS: [&str; 8] = [
     RUNS_BUCKET,
     SCHEDULES_BUCKET,
     SLOTS_BUCKET,
+    REPLICAS_BUCKET,
 ];
 
 /// The priority group every lane consumer pins one session-lane replica to.
 pub const LANE_GROUP: &str = "lane";
+/// The header carrying the pin the server gave the replica an item was delivered to.
+pub const PIN_ID_HEADER: &str = "Nats-Pin-Id";
 
 pub const LANE_ALL: &str = "ts.lane.*";
 pub const TRANSPORT_ALL: &str = "ts.transport.>";
@@ -63,6 +69,54 @@ pub fn lane(session: &SessionId) -> String {
 pub fn lane_consumer(session: &SessionId) -> String {
     format!("lane_{session}")
 }
+
+/// The acknowledgement subject of the item a lane consumer delivered last, as the server
+/// writes it (`$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ts>.
+/// <pending>`): how a survivor gives back the item a dead replica held. The server reads only
+/// the sequences of a nak.
+pub fn lane_ack_subject(consumer: &str, stream_seq: u64, consumer_seq: u64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("$JS.ACK.{LANE_STREAM}.{consumer}.1.{stream_seq}.{consumer_seq}.{now}.0")
+}
+
+/// A replica's name as one subject token: anything but `[A-Za-z0-9_-]` becomes `_`.
+pub fn replica_token(replica: &str) -> String {
+    let t: String = replica
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if t.is_empty() {
+        "_".into()
+    } else {
+        t
+    }
+}
+
+/// A session-lane replica's liveness key in [`REPLICAS_BUCKET`].
+pub fn replica_live_key(replica: &str) -> String {
+    format!("live.{}", replica_token(replica))
+}
+
+/// The key recording which lane pin a replica holds, in [`REPLICAS_BUCKET`].
+pub fn replica_pin_key(replica: &str, session: &SessionId) -> String {
+    format!("pin.{}.{session}", replica_token(replica))
+}
+
+/// Every pin key of one replica (a KV key filter).
+pub fn replica_pins(replica: &str) -> String {
+    format!("pin.{}.*", replica_token(replica))
+}
+
+/// Every liveness key (a KV key filter).
+pub const REPLICA_LIVE_ALL: &str = "live.*";
 
 /// Commands for one host's transport agent, `verb` being `start`, `turn` or `stop`.
 pub fn transport(host: &HostName, verb: &str) -> String {
@@ -197,6 +251,14 @@ pub const BROKER_TURNS_CONSUMER: &str = "broker_turns";
 pub const RUNS_KV_STREAM: &str = "KV_ts_runs";
 pub const RUNS_KV_ALL: &str = "$KV.ts_runs.>";
 pub const BROKER_RUNS_CONSUMER: &str = "broker_runs";
+
+/// The stream behind the replicas bucket: a departed replica's keys are purged from it.
+pub const REPLICAS_KV_STREAM: &str = "KV_ts_replicas";
+
+/// The subjects of the replicas bucket's keys matching `key_filter`.
+pub fn replicas_kv_subjects(key_filter: &str) -> String {
+    format!("$KV.{REPLICAS_BUCKET}.{key_filter}")
+}
 
 /// Where the broker keeps an unreadable execution end.
 pub const BROKER_DEADLETTER: &str = "ts.dlq.broker.ended";

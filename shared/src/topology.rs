@@ -95,6 +95,7 @@ pub struct Buckets {
     pub runs: crate::kv::Bucket,
     pub schedules: crate::kv::Bucket,
     pub slots: crate::kv::Bucket,
+    pub replicas: crate::kv::Bucket,
 }
 
 fn stream_config(
@@ -143,6 +144,7 @@ pub async fn bind(js: &jetstream::Context) -> Result<Buckets, TopologyError> {
         runs: open(subjects::RUNS_BUCKET).await?,
         schedules: open(subjects::SCHEDULES_BUCKET).await?,
         slots: open(subjects::SLOTS_BUCKET).await?,
+        replicas: open(subjects::REPLICAS_BUCKET).await?,
     })
 }
 
@@ -195,6 +197,12 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         num_replicas: cfg.replicas,
         ..Default::default()
     };
+    // Liveness is worth nothing after a restart of every server: kept in memory (still
+    // replicated in a cluster), so the heartbeats cost no disk writes.
+    let in_memory = |mut c: kv::Config| {
+        c.storage = stream::StorageType::Memory;
+        c
+    };
     for config in [
         bucket(subjects::SESSIONS_BUCKET, Duration::ZERO),
         bucket(subjects::TURNS_BUCKET, Duration::ZERO),
@@ -204,6 +212,7 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         bucket(subjects::RUNS_BUCKET, Duration::ZERO),
         bucket(subjects::SCHEDULES_BUCKET, Duration::ZERO),
         bucket(subjects::SLOTS_BUCKET, Duration::ZERO),
+        in_memory(bucket(subjects::REPLICAS_BUCKET, Duration::ZERO)),
     ] {
         let name = config.bucket.clone();
         js.create_or_update_key_value(config)

@@ -12,6 +12,8 @@ pub enum Error {
     Start(#[from] StartError),
     #[error("start API service: {0}")]
     Api(async_nats::Error),
+    #[error(transparent)]
+    Fenced(#[from] crate::liveness::Fenced),
 }
 
 /// Everything a lane worker or API handler needs, shared by reference.
@@ -21,6 +23,13 @@ pub(crate) struct Ctx {
     pub buckets: Buckets,
     pub topology: TopologyConfig,
     pub replica: String,
+    /// This process among the replicas: `<replica>-<random>`, the name liveness and pin
+    /// records use (a restarted replica is a new instance, even under the same name).
+    pub instance: String,
+    pub liveness: crate::liveness::Timing,
+    /// Cancelled when a survivor took this replica for dead and took its lanes over: nothing
+    /// may be acked, given back or handed back from then on.
+    pub fenced: CancellationToken,
     pub turns: crate::turn_watch::TurnWatch,
     /// The process-wide shutdown, as distinct from one lane's cancellation.
     pub shutdown: CancellationToken,

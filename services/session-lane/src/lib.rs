@@ -11,6 +11,8 @@
 //!   kind; one file per kind: `lane/turn.rs`, `lane/delivery.rs`, `lane/run/` (the R5 loop).
 //! - `handoff`: the primitives the kinds share: give back or refuse an item, dispatch a turn
 //!   and wait for its outcome, collect and settle completions.
+//! - `liveness`: this replica's liveness key, and the take-over of a dead replica's lanes
+//!   within seconds (unpin, give back its item in flight).
 //! - `turn_watch`: the replica's one KV watch of turn records, with per-turn waiters.
 //! - `ctx`: what all of the above share (NATS handles, topology, per-replica state).
 
@@ -18,6 +20,7 @@ mod api;
 mod ctx;
 mod handoff;
 mod lane;
+mod liveness;
 mod supervisor;
 mod turn_watch;
 
@@ -30,6 +33,7 @@ use turnstile_shared::topology::TopologyConfig;
 
 pub use crate::ctx::Error;
 use crate::ctx::{Ctx, Handback};
+pub use crate::liveness::Timing as LivenessTiming;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -41,6 +45,9 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// What `/healthz` and `/readyz` report (served by the binary with `--http`).
     pub health: std::sync::Arc<turnstile_shared::health::Health>,
+    /// How often this replica says it is alive, and how long a silent one is given before a
+    /// survivor takes its lanes over.
+    pub liveness: LivenessTiming,
 }
 
 impl Config {
@@ -51,15 +58,14 @@ impl Config {
             topology: TopologyConfig::default(),
             replica: format!("lane-{}", std::process::id()),
             shutdown_grace: Duration::from_secs(10),
+            liveness: LivenessTiming::default(),
         }
     }
 }
 
-/// Releases the pins and naks the items this replica held, over a short-lived connection.
-async fn hand_back(config: &Config, handback: Handback) {
-    if handback.lanes.is_empty() && handback.items.is_empty() {
-        return;
-    }
+/// Releases the pins and naks the items this replica held, and removes its liveness and pin
+/// records, over a short-lived connection.
+async fn hand_back(config: &Config, handback: Handback, instance: &str) {
     let name = format!("{}-handback", config.replica);
     let client = match turnstile_shared::config::connect_once(&config.nats_url, &name).await {
         Ok(c) => c,
@@ -87,11 +93,14 @@ async fn hand_back(config: &Config, handback: Handback) {
             tracing::debug!(error = %e, "hand-back: nak");
         }
     }
+    liveness::depart(&js, instance).await;
     let _ = client.flush().await;
     tracing::info!(lanes = handback.lanes.len(), "lanes handed back");
 }
 
 /// Runs the service until `shutdown` is cancelled, then hands its lanes over and returns.
+/// Returns [`Error::Fenced`] at once, handing nothing back, if a survivor took this replica for
+/// dead and took its lanes over.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Error> {
     let Connected {
         client,
@@ -99,24 +108,50 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         buckets,
     } = turnstile_shared::config::start(&config.nats_url, &config.replica, &shutdown).await?;
     config.health.serving(&client);
-    let turns = turn_watch::TurnWatch::start(buckets.turns.clone(), shutdown.child_token());
+    // Stops on `shutdown`, or when this replica is fenced.
+    let stop = shutdown.child_token();
+    let turns = turn_watch::TurnWatch::start(buckets.turns.clone(), stop.child_token());
     let ctx = Arc::new(Ctx {
         client,
         js,
         buckets,
         topology: config.topology.clone(),
+        instance: format!(
+            "{}-{}",
+            turnstile_shared::subjects::replica_token(&config.replica),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        ),
         replica: config.replica.clone(),
+        liveness: config.liveness,
+        fenced: CancellationToken::new(),
         turns,
-        shutdown: shutdown.clone(),
+        shutdown: stop.clone(),
         handback: Default::default(),
         completions: Default::default(),
         left_pending: Default::default(),
     });
-    tracing::info!(replica = %ctx.replica, "session-lane running");
+    tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");
 
-    let api = api::serve(ctx.clone(), shutdown.child_token());
-    let lanes = supervisor::run(ctx.clone(), shutdown.clone());
+    let liveness = {
+        let ctx = ctx.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let result = liveness::run(ctx.clone(), stop.clone()).await;
+            if result.is_err() {
+                ctx.fenced.cancel();
+                stop.cancel();
+            }
+            result
+        })
+    };
+    let api = api::serve(ctx.clone(), stop.child_token());
+    let lanes = supervisor::run(ctx.clone(), stop.clone());
     let (api_result, lanes_result) = tokio::join!(api, lanes);
+    stop.cancel();
+    if let Ok(Err(fenced)) = liveness.await {
+        ctx.client.drain().await.ok();
+        return Err(fenced.into());
+    }
     // Close the connection first: the server then drops this replica's waiting pull requests,
     // so releasing the pins and naking the items from a fresh connection hands them to another
     // replica at once instead of back to a request of this one (and a pin stranded until its
@@ -127,7 +162,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         .lock()
         .map(|mut h| std::mem::take(&mut *h))
         .unwrap_or_default();
-    if let Err(e) = tokio::time::timeout(config.shutdown_grace, hand_back(&config, handback)).await
+    if let Err(e) = tokio::time::timeout(
+        config.shutdown_grace,
+        hand_back(&config, handback, &ctx.instance),
+    )
+    .await
     {
         tracing::warn!(error = %e, "hand-back of lanes timed out; they move after the pin TTL");
     }

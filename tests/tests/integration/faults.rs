@@ -198,3 +198,81 @@ async fn graceful(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// Issue 11, fail-over in seconds: with a 60 s pin TTL and ack wait (what protects slow turns),
+/// a SIGKILLed replica's lanes are still served by the survivor well before either expires:
+/// the busy lane's item in flight is given back and resumed (typed once, in order), and an
+/// idle lane pinned to the dead replica takes its next turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replicas_lanes_move_within_seconds_despite_long_timeouts() -> Result<()> {
+    let slow = [
+        ("TURNSTILE_LANE_PIN_TTL", "60s"),
+        ("TURNSTILE_LANE_ACK_WAIT", "60s"),
+    ];
+    let mut stack = Stack::start_with(&["a", "b"], &["h1"], &slow).await?;
+    let r = killed_fast(&mut stack).await;
+    report(&stack, r)
+}
+
+/// The replica that served the session's last started turn.
+async fn server_of(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<String> {
+    stack
+        .events()
+        .await?
+        .iter()
+        .rev()
+        .find(|e| e.kind == "turn.started" && e.session.as_ref() == Some(s))
+        .and_then(|e| e.data["replica"].as_str())
+        .map(str::to_string)
+        .context("a started turn")
+}
+
+async fn killed_fast(stack: &mut Stack) -> Result<()> {
+    let busy = stack.create_session("busy", None).await?;
+    let texts: Vec<String> = (0..4).map(|i| format!("part {i}\n!sleep 500ms")).collect();
+    let turns = stack.send_all(&busy, &texts).await?;
+    stack.wait_running(&turns[0]).await?;
+    let serving = server_of(stack, &busy).await?;
+    // An idle session whose lane the same replica holds (pins are spread over replicas).
+    let mut idle = None;
+    for i in 0..8 {
+        let s = stack.create_session(&format!("idle-{i}"), None).await?;
+        let t = stack.send(&s, "warm-up\n!reply ok").await?;
+        stack.wait_turn(&t, Duration::from_secs(20)).await?;
+        if server_of(stack, &s).await? == serving {
+            idle = Some(s);
+            break;
+        }
+    }
+    let idle = idle.context("no idle session pinned to the serving replica in 8 tries")?;
+    stack.wait_running(&turns[1]).await?;
+    stack
+        .lanes
+        .get_mut(&serving)
+        .context("serving replica")?
+        .kill()
+        .await?;
+    let after = stack.send(&idle, "after the kill\n!reply moved").await?;
+    // Well under the 60 s either timeout would take.
+    for t in turns.iter().chain(std::iter::once(&after)) {
+        let rec = stack.wait_turn(t, Duration::from_secs(15)).await?;
+        ensure!(
+            matches!(
+                rec.state,
+                turnstile_shared::records::TurnState::Completed { .. }
+            ),
+            "{t}: {:?}",
+            rec.state
+        );
+    }
+    ensure!(
+        server_of(stack, &idle).await? != serving,
+        "the idle lane's turn was served by the killed replica"
+    );
+    stack.typed_exactly_once(&busy, &texts).await?;
+    ensure!(
+        serial_turns(&stack.events().await?, &busy)? == turns,
+        "turns out of order"
+    );
+    Ok(())
+}

@@ -11,10 +11,14 @@ use turnstile_shared::subjects;
 
 use crate::ctx::Ctx;
 
-/// Gives a lane item back unacked. At process shutdown the nak waits until this replica's
+/// Gives a lane item back unacked (never once this replica is fenced). At process shutdown the nak waits until this replica's
 /// connection is closed (so the item cannot come straight back to one of its pull requests);
 /// otherwise (the session was stopped) it is sent at once.
 pub(crate) async fn release(ctx: &Ctx, msg: &jetstream::Message) {
+    if ctx.fenced.is_cancelled() {
+        // A survivor gave it back already and may hold it now.
+        return;
+    }
     if ctx.shutdown.is_cancelled() {
         if let Some(reply) = &msg.reply {
             ctx.hand_back_item(reply.to_string());

@@ -82,8 +82,10 @@ async fn serve(
     // The next item can arrive while the current handler finishes its tail (after its ack,
     // awaiting the outcome event's ack); it waits here rather than being dropped.
     let mut next_item: Option<jetstream::Message> = None;
-    // Whether this replica ever held the lane's pin (it received an item).
+    // Whether this replica ever held the lane's pin (it received an item), and the pin the
+    // server gave it (recorded, so a survivor can take the lane over if this replica dies).
     let mut pinned = false;
+    let mut pin: Option<String> = None;
     let ended = loop {
         if in_flight.is_none() {
             if let Some(msg) = next_item.take() {
@@ -101,6 +103,7 @@ async fn serve(
             next = messages.next() => match next {
                 Some(Ok(msg)) => {
                     pinned = true;
+                    note_pin(ctx, &session.id, &msg, &mut pin);
                     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
                     match &in_flight {
                         // A redelivery of the item we still hold (its ack wait ran out).
@@ -132,10 +135,38 @@ async fn serve(
     if let Some((_, f)) = in_flight {
         f.await;
     }
+    if ctx.fenced.is_cancelled() {
+        return Ok(());
+    }
     if pinned && ctx.shutdown.is_cancelled() {
         ctx.hand_back_lane(name);
+    } else if pin.is_some() {
+        // The session stopped: this replica holds its lane no more.
+        crate::liveness::forget_pin(ctx, &session.id).await;
     }
     Ok(())
+}
+
+/// Records the lane's pin when the server gives this replica a new one (the first item after
+/// it became the holder), off the hand-off path.
+fn note_pin(
+    ctx: &Arc<Ctx>,
+    session: &turnstile_shared::SessionId,
+    msg: &jetstream::Message,
+    pin: &mut Option<String>,
+) {
+    let Some(id) = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(subjects::PIN_ID_HEADER))
+        .map(|v| v.as_str())
+    else {
+        return;
+    };
+    if pin.as_deref() != Some(id) {
+        *pin = Some(id.to_string());
+        crate::liveness::record_pin(ctx, session, id.to_string());
+    }
 }
 
 /// The one match on the item kind: each kind serves its item to its end and acks, gives back

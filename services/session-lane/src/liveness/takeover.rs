@@ -1,0 +1,169 @@
+//! Taking a dead replica's lanes over, and the pin records that make it possible.
+//!
+//! A lane worker records the pin it holds (`pin.<instance>.<session>` = the server's
+//! `Nats-Pin-Id`) when it first sees it: once per lane and holder, off the hand-off path.
+//! A survivor that claimed a dead instance reads those records and, for each lane still pinned
+//! to the dead instance, releases the pin and gives back the item it held in flight. With at
+//! most one item in flight per lane (`max_ack_pending` 1), that item is the last one the
+//! consumer delivered, so its acknowledgement subject can be written from the consumer's info.
+//! The survivor's own waiting pull then gets the item, and the item kind's resume logic (R14)
+//! carries on from what the dead replica recorded.
+
+use std::sync::Arc;
+
+use async_nats::jetstream::consumer::Info;
+use futures::StreamExt;
+use turnstile_shared::{subjects, SessionId};
+
+use crate::ctx::Ctx;
+
+/// Lanes taken over at once (each is a consumer info, an unpin and a nak).
+const CONCURRENCY: usize = 32;
+
+/// Records that this replica holds `pin` on `session`'s lane (spawned by the lane worker).
+pub(crate) fn record_pin(ctx: &Arc<Ctx>, session: &SessionId, pin: String) {
+    let ctx = ctx.clone();
+    let key = subjects::replica_pin_key(&ctx.instance, session);
+    tokio::spawn(async move {
+        if let Err(e) = ctx.buckets.replicas.put(&key, &pin).await {
+            tracing::warn!(%key, error = %e, "record lane pin; a crash of this replica would strand the lane until its pin TTL");
+        }
+    });
+}
+
+/// Drops the pin record of a lane this replica stopped serving (its session stopped).
+pub(crate) async fn forget_pin(ctx: &Ctx, session: &SessionId) {
+    purge(ctx, &subjects::replica_pin_key(&ctx.instance, session)).await;
+}
+
+/// Removes a key, or every key matching a pattern, with its markers: nothing stays behind.
+async fn purge(ctx: &Ctx, key_filter: &str) {
+    purge_in(&ctx.js, key_filter).await
+}
+
+async fn purge_in(js: &async_nats::jetstream::Context, key_filter: &str) {
+    let filter = subjects::replicas_kv_subjects(key_filter);
+    let purged: Result<(), async_nats::Error> =
+        match js.get_stream_no_info(subjects::REPLICAS_KV_STREAM).await {
+            Ok(stream) => stream
+                .purge()
+                .filter(filter.as_str())
+                .await
+                .map(|_| ())
+                .map_err(Into::into),
+            Err(e) => Err(e.into()),
+        };
+    if let Err(e) = purged {
+        tracing::debug!(filter, error = %e, "purge replica keys");
+    }
+}
+
+/// On a graceful stop, after the lanes were handed back (over the hand-back's own
+/// connection): this instance's records go, so no survivor takes it for dead.
+pub(crate) async fn depart(js: &async_nats::jetstream::Context, instance: &str) {
+    purge_in(js, &subjects::replica_pins(instance)).await;
+    purge_in(js, &subjects::replica_live_key(instance)).await;
+}
+
+/// Claims a silent instance (deleting its key at the revision last seen: only one survivor
+/// wins, and never over a renewal) and takes its lanes over.
+pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
+    let key = subjects::replica_live_key(&instance);
+    match ctx.buckets.replicas.delete_at(&key, revision).await {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(e) => {
+            tracing::warn!(%instance, error = %e, "claim a silent replica");
+            return;
+        }
+    }
+    let started = std::time::Instant::now();
+    let pins = match ctx
+        .buckets
+        .replicas
+        .keys_matching(&subjects::replica_pins(&instance))
+        .await
+    {
+        Ok(k) => k,
+        Err(e) => {
+            tracing::error!(%instance, error = %e, "list a dead replica's lanes; they move after the pin TTL");
+            return;
+        }
+    };
+    let stream = match ctx.js.get_stream_no_info(subjects::LANE_STREAM).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(%instance, error = %e, "lane stream; a dead replica's lanes move after the pin TTL");
+            return;
+        }
+    };
+    let moved = futures::stream::iter(pins)
+        .map(|key| {
+            let ctx = ctx.clone();
+            let stream = stream.clone();
+            async move { take_lane(&ctx, &stream, &key).await }
+        })
+        .buffer_unordered(CONCURRENCY)
+        .filter(|moved| std::future::ready(*moved))
+        .count()
+        .await;
+    purge(&ctx, &subjects::replica_pins(&instance)).await;
+    purge(&ctx, &key).await;
+    tracing::info!(%instance, lanes = moved, elapsed_ms = started.elapsed().as_millis() as u64, "took over a dead replica's lanes");
+}
+
+/// One lane of a dead instance: if still pinned to it, unpin and give back its item in
+/// flight. Returns whether the lane was moved.
+async fn take_lane(
+    ctx: &Ctx,
+    stream: &async_nats::jetstream::stream::Stream<()>,
+    key: &str,
+) -> bool {
+    let Some(session) = key
+        .rsplit('.')
+        .next()
+        .and_then(|s| s.parse::<SessionId>().ok())
+    else {
+        return false;
+    };
+    let pin = match ctx.buckets.replicas.get::<String>(key).await {
+        Ok(Some((pin, _))) => pin,
+        _ => return false,
+    };
+    let consumer = subjects::lane_consumer(&session);
+    let info = match stream.consumer_info(&consumer).await {
+        Ok(i) => i,
+        Err(e) => {
+            tracing::debug!(%session, error = %e, "take over lane: consumer info (session gone?)");
+            return false;
+        }
+    };
+    let pinned = info
+        .priority_groups
+        .iter()
+        .any(|g| g.group == subjects::LANE_GROUP && g.pinned_client_id.as_deref() == Some(&pin));
+    if !pinned {
+        // Someone else holds it already (or nobody): nothing of the dead replica's is left.
+        return false;
+    }
+    if let Err(e) = stream.unpin_consumer(&consumer, subjects::LANE_GROUP).await {
+        tracing::warn!(%session, error = %e, "take over lane: unpin");
+        return false;
+    }
+    if info.num_ack_pending > 0 {
+        give_back_in_flight(ctx, &consumer, &info).await;
+    }
+    true
+}
+
+/// Naks the one item in flight on a lane consumer on behalf of its dead holder.
+async fn give_back_in_flight(ctx: &Ctx, consumer: &str, info: &Info) {
+    let ack = subjects::lane_ack_subject(
+        consumer,
+        info.delivered.stream_sequence,
+        info.delivered.consumer_sequence,
+    );
+    if let Err(e) = ctx.client.publish(ack, "-NAK".into()).await {
+        tracing::warn!(consumer, error = %e, "take over lane: give back its item");
+    }
+}
