@@ -43,11 +43,7 @@ pub async fn measure(
     let transport = start_transport(&d.transport, dir.path())?;
     wait_all(&js, &single).await?;
     transport.stop().await;
-    let mut records = Vec::new();
-    for t in &single {
-        records.push(turn(&js, t).await?);
-    }
-    let handoff = handoffs(&records);
+    let handoff = handoffs(&records(&js, &single).await?);
 
     let all = queue(&js, &many, turns_each).await?;
     let started = Instant::now();
@@ -68,7 +64,7 @@ pub async fn measure(
 }
 
 /// Publishes `n` turn items per session straight onto the lanes, pipelined.
-async fn queue(
+pub(crate) async fn queue(
     js: &async_nats::jetstream::Context,
     sessions: &[SessionId],
     n: usize,
@@ -102,8 +98,20 @@ async fn turn(js: &async_nats::jetstream::Context, t: &TurnId) -> Result<TurnRec
     Ok(serde_json::from_slice(&b)?)
 }
 
+/// The records of `turns`, in order.
+pub(crate) async fn records(
+    js: &async_nats::jetstream::Context,
+    turns: &[TurnId],
+) -> Result<Vec<TurnRecord>> {
+    let mut out = Vec::with_capacity(turns.len());
+    for t in turns {
+        out.push(turn(js, t).await?);
+    }
+    Ok(out)
+}
+
 /// Waits for every turn to end, following the turns bucket.
-async fn wait_all(js: &async_nats::jetstream::Context, turns: &[TurnId]) -> Result<()> {
+pub(crate) async fn wait_all(js: &async_nats::jetstream::Context, turns: &[TurnId]) -> Result<()> {
     let kv = js.get_key_value(subjects::TURNS_BUCKET).await?;
     let mut pending: std::collections::HashSet<String> =
         turns.iter().map(|t| t.to_string()).collect();

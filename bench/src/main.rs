@@ -1,5 +1,7 @@
 //! `turnstile-bench lanes`: lane hand-off latency and lane throughput, measured beside the raw
 //! JetStream floor in the same run on the same nats-server. Prints one JSON object.
+//! `turnstile-bench failover`: how long a SIGKILLed session-lane replica's sessions wait until
+//! the survivor serves them (`failover.rs`).
 //!
 //! Layout: `floor` (publish, PubAck, durable pull, double ack: the raw JetStream floor),
 //! `inproc` (the services started in this process, with the instant agent), `lanes` (hand-off
@@ -8,6 +10,7 @@
 
 mod completions;
 mod deployment;
+mod failover;
 mod floor;
 mod inproc;
 mod lanes;
@@ -40,15 +43,19 @@ async fn main() -> Result<()> {
     // `--auth`: on a deployment's accounts (every service on its own user, the callout on).
     let accounts = args.iter().any(|a| a == "--auth");
     args.retain(|a| a != "--auth");
+    let num =
+        |i: usize, default: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
     match args.first().map(String::as_str) {
         Some("lanes") => {}
+        Some("failover") => {
+            turnstile_shared::telemetry::init_with_default("warn");
+            return failover_bench(accounts, num(1, 1000)).await;
+        }
         _ => bail!(
-            "usage: turnstile-bench lanes [--auth] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]"
+            "usage: turnstile-bench lanes [--auth] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench failover [--auth] [SESSIONS=1000]"
         ),
     }
     turnstile_shared::telemetry::init_with_default("warn");
-    let num =
-        |i: usize, default: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
     let (single, sessions, each, completions) =
         (num(1, 1000), num(2, 100), num(3, 20), num(4, 200));
     let d = deployment::Deployment::start(accounts).await?;
@@ -84,5 +91,16 @@ async fn main() -> Result<()> {
         },
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+/// `turnstile-bench failover`: see `failover.rs`. Needs the `turnstile-session-lane` binary of
+/// the same build beside this one.
+async fn failover_bench(accounts: bool, sessions: usize) -> Result<()> {
+    let d = deployment::Deployment::start(accounts).await?;
+    let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
+    turnstile_shared::topology::provision(&js, &Default::default()).await?;
+    let figures = failover::measure(&d, sessions).await?;
+    println!("{}", serde_json::to_string_pretty(&figures)?);
     Ok(())
 }

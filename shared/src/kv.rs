@@ -244,9 +244,13 @@ impl Bucket {
         })
     }
 
-    /// The live keys matching `filter` (a key pattern with `*`/`>` wildcards), read by one
-    /// server-side filtered consumer: its cost grows with the matches, not the bucket.
-    pub async fn keys_matching(&self, filter: &str) -> Result<Vec<String>, KvError> {
+    /// The live keys matching `filter` (a key pattern with `*`/`>` wildcards) with their
+    /// values, read by one server-side filtered consumer: its cost grows with the matches, not
+    /// the bucket. Unreadable values are logged and skipped.
+    pub async fn entries_matching<T: DeserializeOwned>(
+        &self,
+        filter: &str,
+    ) -> Result<Vec<(String, T)>, KvError> {
         use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
         let err = |e: async_nats::Error| self.nats("keys", filter, e);
         let consumer = self
@@ -254,15 +258,14 @@ impl Bucket {
             .stream
             .create_consumer(OrderedConfig {
                 filter_subject: format!("{}{filter}", self.store.prefix),
-                headers_only: true,
                 deliver_policy: DeliverPolicy::LastPerSubject,
                 ..Default::default()
             })
             .await
             .map_err(|e| err(e.into()))?;
-        let mut keys = Vec::new();
+        let mut entries = Vec::new();
         if consumer.cached_info().num_pending == 0 {
-            return Ok(keys);
+            return Ok(entries);
         }
         let mut messages = consumer
             .clone()
@@ -276,17 +279,20 @@ impl Bucket {
                 .as_ref()
                 .and_then(|h| h.get("KV-Operation"))
                 .is_none_or(|op| op.as_str() == "PUT");
-            if live {
-                if let Some(key) = m.subject.as_str().strip_prefix(&self.store.prefix) {
-                    keys.push(key.to_string());
+            let key = m.subject.as_str().strip_prefix(&self.store.prefix);
+            if let (true, Some(key)) = (live, key) {
+                match self.decode(key, &m.payload) {
+                    Ok(v) => entries.push((key.to_string(), v)),
+                    Err(e) => {
+                        tracing::warn!(bucket = %self.name, %key, error = %e, "skipping unreadable record")
+                    }
                 }
             }
-            let pending = m.info().map(|i| i.pending).unwrap_or(0);
-            if pending == 0 {
+            if m.info().map(|i| i.pending).unwrap_or(0) == 0 {
                 break;
             }
         }
-        Ok(keys)
+        Ok(entries)
     }
 
     /// Every live key's value (skipping unreadable ones, which are logged).

@@ -358,13 +358,19 @@ mod tests {
                     || p.starts_with("$JS.API.STREAM.DELETE")
             });
             assert_eq!(wide, role == Role::Admin, "{role:?}");
-            // Purging is the session-lane's, and only of the lanes.
+            // Purging is the session-lane's, and only of the lanes and of its replicas' keys.
             let purges: Vec<&String> = publish
                 .iter()
                 .filter(|p| p.starts_with("$JS.API.STREAM.PURGE"))
                 .collect();
             match role {
-                Role::SessionLane => assert_eq!(purges, ["$JS.API.STREAM.PURGE.TS_LANE"]),
+                Role::SessionLane => assert_eq!(
+                    purges,
+                    [
+                        "$JS.API.STREAM.PURGE.TS_LANE",
+                        "$JS.API.STREAM.PURGE.KV_ts_replicas"
+                    ]
+                ),
                 Role::Admin => {}
                 _ => assert!(purges.is_empty(), "{role:?}: {purges:?}"),
             }

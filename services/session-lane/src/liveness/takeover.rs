@@ -17,8 +17,9 @@ use turnstile_shared::{subjects, SessionId};
 
 use crate::ctx::Ctx;
 
-/// Lanes taken over at once (each is a consumer info, an unpin and a nak).
-const CONCURRENCY: usize = 32;
+/// Lanes taken over at once (each is a consumer info, an unpin and a nak: requests the
+/// JetStream API answers many at a time).
+const CONCURRENCY: usize = 128;
 
 /// Records that this replica holds `pin` on `session`'s lane (spawned by the lane worker).
 pub(crate) fn record_pin(ctx: &Arc<Ctx>, session: &SessionId, pin: String) {
@@ -81,7 +82,7 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
     let pins = match ctx
         .buckets
         .replicas
-        .keys_matching(&subjects::replica_pins(&instance))
+        .entries_matching::<String>(&subjects::replica_pins(&instance))
         .await
     {
         Ok(k) => k,
@@ -98,10 +99,10 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
         }
     };
     let moved = futures::stream::iter(pins)
-        .map(|key| {
+        .map(|(key, pin)| {
             let ctx = ctx.clone();
             let stream = stream.clone();
-            async move { take_lane(&ctx, &stream, &key).await }
+            async move { take_lane(&ctx, &stream, &key, &pin).await }
         })
         .buffer_unordered(CONCURRENCY)
         .filter(|moved| std::future::ready(*moved))
@@ -118,6 +119,7 @@ async fn take_lane(
     ctx: &Ctx,
     stream: &async_nats::jetstream::stream::Stream<()>,
     key: &str,
+    pin: &str,
 ) -> bool {
     let Some(session) = key
         .rsplit('.')
@@ -125,10 +127,6 @@ async fn take_lane(
         .and_then(|s| s.parse::<SessionId>().ok())
     else {
         return false;
-    };
-    let pin = match ctx.buckets.replicas.get::<String>(key).await {
-        Ok(Some((pin, _))) => pin,
-        _ => return false,
     };
     let consumer = subjects::lane_consumer(&session);
     let info = match stream.consumer_info(&consumer).await {
@@ -141,7 +139,7 @@ async fn take_lane(
     let pinned = info
         .priority_groups
         .iter()
-        .any(|g| g.group == subjects::LANE_GROUP && g.pinned_client_id.as_deref() == Some(&pin));
+        .any(|g| g.group == subjects::LANE_GROUP && g.pinned_client_id.as_deref() == Some(pin));
     if !pinned {
         // Someone else holds it already (or nobody): nothing of the dead replica's is left.
         return false;

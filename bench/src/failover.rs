@@ -1,0 +1,143 @@
+//! `turnstile-bench failover`: a session-lane replica serving N sessions is SIGKILLed; how long
+//! until each session is served again by the survivor, with the default (30 s) pin TTL and lane
+//! ack wait that the liveness take-over must beat.
+//!
+//! Both replicas run as processes of the `turnstile-session-lane` binary (so one can be
+//! SIGKILLed); the transport agent with the instant agent runs in this process. Replica A
+//! starts alone, so every lane is pinned to it (each session runs one turn); B then starts and
+//! waits on every lane; A is killed, one turn is queued on every session at once, and a
+//! session's time to service is its new turn's `typed_at` (stamped by the transport) minus the
+//! moment of the kill.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use chrono::Utc;
+use turnstile_shared::records::TurnState;
+use turnstile_shared::{subjects, SessionId};
+use turnstile_tests::ServiceProcess;
+
+use crate::deployment::Deployment;
+use crate::inproc::{create_sessions, start_transport};
+use crate::lanes::{queue, records, wait_all};
+
+pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Value> {
+    let client = Deployment::connect(&d.operator).await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let dir = tempfile::tempdir()?;
+    let env = vec![
+        ("TURNSTILE_NATS_URL".to_string(), d.lane.clone()),
+        ("RUST_LOG".to_string(), "info".to_string()),
+    ];
+    let replica = |name: &str| {
+        ServiceProcess::spawn(
+            "turnstile-session-lane",
+            &["--replica".to_string(), name.to_string()],
+            &env,
+            &format!("lane-{name}.log"),
+        )
+    };
+    let mut a = replica("a")?;
+    let transport = start_transport(&d.transport, dir.path())?;
+    let ids = create_sessions(&client, sessions).await?;
+    // One turn each, served by A alone: A holds every lane's pin.
+    let warm = queue(&js, &ids, 1).await?;
+    wait_all(&js, &warm).await?;
+    let b = replica("b")?;
+    wait_pulling(&js, &ids, 2).await?;
+
+    let killed_at = Utc::now();
+    a.kill().await?;
+    let turns = queue(&js, &ids, 1).await?;
+    wait_all(&js, &turns).await?;
+    let mut served = Vec::with_capacity(turns.len());
+    for r in records(&js, &turns).await? {
+        match r.state {
+            TurnState::Completed { typed_at, .. } => served.push(
+                (typed_at - killed_at)
+                    .num_microseconds()
+                    .unwrap_or(i64::MAX) as f64,
+            ),
+            other => bail!("turn {} did not complete: {other:?}", r.id),
+        }
+    }
+    transport.stop().await;
+    // The survivor's own account: how many lanes it moved and how long that took.
+    let took_over = b
+        .log_tail(200)
+        .lines()
+        .rev()
+        .find(|l| l.contains("took over a dead replica's lanes"))
+        .map(|l| {
+            let plain = strip_ansi(l);
+            let field = |name: &str| {
+                plain
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix(name))
+                    .and_then(|v| v.parse::<u64>().ok())
+            };
+            serde_json::json!({ "lanes": field("lanes="), "elapsed_ms": field("elapsed_ms=") })
+        });
+    drop(b);
+    served.sort_by(f64::total_cmp);
+    let ms = |p: f64| (crate::percentile(&served, p) / 100.0).round() / 10.0;
+    Ok(serde_json::json!({
+        "sessions": sessions,
+        "pin_ttl_s": 30,
+        "lane_ack_wait_s": 30,
+        "served_again_after_kill_ms": {
+            "p50": ms(50.0),
+            "p99": ms(99.0),
+            "max": ms(100.0),
+        },
+        "takeover": took_over,
+    }))
+}
+
+/// Waits until every session's lane consumer has `replicas` waiting pull requests (each replica
+/// keeps one on every lane), bounded.
+async fn wait_pulling(
+    js: &async_nats::jetstream::Context,
+    ids: &[SessionId],
+    replicas: usize,
+) -> Result<()> {
+    let stream = js.get_stream_no_info(subjects::LANE_STREAM).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    for s in ids {
+        loop {
+            let info = stream
+                .consumer_info(subjects::lane_consumer(s))
+                .await
+                .with_context(|| format!("lane consumer of {s}"))?;
+            if info.num_waiting as usize >= replicas {
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!(
+                    "lane of {s} has {} pull requests waiting, not {replicas}",
+                    info.num_waiting
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
+}
+
+/// A log line without its terminal colours.
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
