@@ -170,6 +170,47 @@ if ! printf '%s' "$reply" | grep -q 'hello from outside'; then
 fi
 echo "test-compose: a transport agent outside compose ran a turn"
 
+stage="a session-lane replica killed"
+# A session-lane replica container is SIGKILLed while it serves a turn (acceptance 4): with the
+# default 30 s pin TTL and ack wait, the survivor takes its lanes over within seconds: the turn
+# in flight completes, typed once, and the session's next turn is served.
+lanekill="$(cli session create --agent mock --name lanekill --host host-b | tr -d '\r')"
+first="$("$bin/turnstile" session send "$lanekill" $'lanekill-1\n!sleep 3s' | tr -d '\r')"
+deadline=$((SECONDS + 60))
+until serving="$("$bin/turnstile" events --session "$lanekill" --replay --no-follow --json 2>/dev/null \
+                  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    e = json.loads(line)
+    if e.get("type") == "turn.started":
+        print(e["data"]["replica"])
+        break
+')" && [ -n "$serving" ]; do
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "test-compose: the lanekill turn never started" >&2
+    exit 1
+  fi
+  sleep 1
+done
+killed_at=$SECONDS
+docker kill "$serving" >/dev/null
+echo "test-compose: killed session-lane replica $serving during a turn"
+if ! "$bin/turnstile" session send "$lanekill" $'lanekill-2\n!reply served again' --wait \
+     --timeout 20s > "$work/lanekill.out"; then
+  echo "test-compose: the killed replica's session was not served within 20 s (pin TTL 30 s)" >&2
+  exit 1
+fi
+echo "test-compose: the killed replica's session was served again $((SECONDS - killed_at)) s after the kill"
+transcript="$(docker exec "$(compose ps -q transport-host-b)" sh -c 'cat /var/lib/turnstile/mock-agent/*.jsonl')"
+for m in lanekill-1 lanekill-2; do
+  n="$(printf '%s\n' "$transcript" | grep -c "$m" || true)"
+  if [ "$n" != 1 ]; then
+    echo "test-compose: $m was typed $n times" >&2
+    exit 1
+  fi
+done
+docker start "$serving" >/dev/null
+
 stage="the lane stream leader killed mid-run"
 # The nats node leading the lane stream is killed mid-run (acceptance 2): the run completes,
 # each message is typed exactly once, and each step's result is handed over exactly once. On a
@@ -180,6 +221,9 @@ inside="$(cli session create --agent mock --name failover --host host-a | tr -d 
   --message $'failover-m3\n!step fb 1s --scope run' --message $'failover-m4\n!sleep 1s' \
   > "$work/run.out" 2>&1 &
 run_pid=$!
+# Bounded: the run takes about 10 s; a wait that never ends would hang the suite.
+( sleep 300; kill "$run_pid" 2>/dev/null ) &
+run_guard=$!
 sleep 2
 leader="$(python3 - "$monitor" <<'PY'
 import json, sys, urllib.request
@@ -197,7 +241,10 @@ case "$leader" in
 esac
 docker kill "$(compose ps -q "$node")" >/dev/null
 echo "test-compose: killed $node, the lane stream's leader, mid-run"
-if ! wait "$run_pid"; then
+run_status=0
+wait "$run_pid" || run_status=$?
+kill "$run_guard" 2>/dev/null || true
+if [ "$run_status" -ne 0 ]; then
   echo "test-compose: the run did not complete after its leader was killed:" >&2
   cat "$work/run.out" >&2
   tail -30 "$work/outside.log" >&2

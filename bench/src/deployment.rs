@@ -16,8 +16,10 @@ pub const FLOOR_STREAM: &str = "BENCH_FLOOR";
 pub const FLOOR_SUBJECT: &str = "bench.floor";
 
 pub struct Deployment {
-    /// The server, kept running for the whole benchmark.
-    _nats: turnstile_tests::NatsServer,
+    /// The server (or a cluster's nodes), kept running for the whole benchmark.
+    _nats: Vec<turnstile_tests::NatsServer>,
+    /// Copies of every stream (3 on a cluster).
+    pub replicas: usize,
     pub accounts: bool,
     pub lane: String,
     pub transport: String,
@@ -38,7 +40,8 @@ impl Deployment {
             let nats = turnstile_tests::NatsServer::start().await?;
             let url = nats.url();
             return Ok(Self {
-                _nats: nats,
+                _nats: vec![nats],
+                replicas: 1,
                 accounts,
                 lane: url.clone(),
                 transport: url.clone(),
@@ -122,7 +125,28 @@ impl Deployment {
             operator: url(&Role::Cli),
             admin: url(&Role::Admin),
             floor: nats.url_as("bench-floor", &pw("bench-floor")),
-            _nats: nats,
+            _nats: vec![nats],
+            replicas: 1,
+            _dir: dir,
+        })
+    }
+
+    /// An open three-node cluster (see `cluster.rs`); every client connects to the first node.
+    pub async fn start_cluster(sync: crate::cluster::Sync) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let nodes = crate::cluster::start(dir.path(), sync).await?;
+        let url = nodes[0].url();
+        Ok(Self {
+            _nats: nodes,
+            replicas: 3,
+            accounts: false,
+            lane: url.clone(),
+            transport: url.clone(),
+            broker: url.clone(),
+            callout: None,
+            operator: url.clone(),
+            admin: url.clone(),
+            floor: url,
             _dir: dir,
         })
     }

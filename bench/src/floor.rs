@@ -18,6 +18,7 @@ pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
             subjects: vec![FLOOR_SUBJECT.into()],
             retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::File,
+            num_replicas: d.replicas,
             ..Default::default()
         })
         .await?;

@@ -8,6 +8,7 @@
 //! latency and throughput over the lanes), `completions` (a step's report to the delivery
 //! turn's dispatch). `main` runs them in that order and prints the figures with their ratios.
 
+mod cluster;
 mod completions;
 mod deployment;
 mod failover;
@@ -43,6 +44,21 @@ async fn main() -> Result<()> {
     // `--auth`: on a deployment's accounts (every service on its own user, the callout on).
     let accounts = args.iter().any(|a| a == "--auth");
     args.retain(|a| a != "--auth");
+    // `--replicas 3 [--sync always|default]`: on a three-node cluster, every stream with three
+    // copies (the durability figures of docs/deploy.md).
+    let replicas = take_option(&mut args, "--replicas")?;
+    let sync = take_option(&mut args, "--sync")?
+        .map(|s| cluster::Sync::parse(&s))
+        .transpose()?;
+    let cluster = match (replicas.as_deref(), sync) {
+        (None | Some("1"), None) => None,
+        (Some("3"), sync) => Some(sync.unwrap_or(cluster::Sync::Default)),
+        (None | Some("1"), Some(_)) => bail!("--sync applies to a cluster: add --replicas 3"),
+        (Some(other), _) => bail!("--replicas takes 1 or 3, not {other}"),
+    };
+    if accounts && cluster.is_some() {
+        bail!("--auth and --replicas 3 are measured separately");
+    }
     let num =
         |i: usize, default: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
     match args.first().map(String::as_str) {
@@ -52,13 +68,16 @@ async fn main() -> Result<()> {
             return failover_bench(accounts, num(1, 1000)).await;
         }
         _ => bail!(
-            "usage: turnstile-bench lanes [--auth] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench failover [--auth] [SESSIONS=1000]"
+            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench failover [--auth] [SESSIONS=1000]"
         ),
     }
     turnstile_shared::telemetry::init_with_default("warn");
     let (single, sessions, each, completions) =
         (num(1, 1000), num(2, 100), num(3, 20), num(4, 200));
-    let d = deployment::Deployment::start(accounts).await?;
+    let d = match cluster {
+        Some(sync) => deployment::Deployment::start_cluster(sync).await?,
+        None => deployment::Deployment::start(accounts).await?,
+    };
     let version = std::process::Command::new(turnstile_tests::nats_server_bin()?)
         .arg("--version")
         .output()
@@ -66,7 +85,11 @@ async fn main() -> Result<()> {
         .unwrap_or_default();
     // The deployment's provisioning step (`turnstile admin provision`): services only bind.
     let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
-    turnstile_shared::topology::provision(&js, &Default::default()).await?;
+    let topology = turnstile_shared::topology::TopologyConfig {
+        replicas: d.replicas,
+        ..Default::default()
+    };
+    turnstile_shared::topology::provision(&js, &topology).await?;
     let floor = floor::measure(&d, 2000).await?;
     let lanes = lanes::measure(&d, single, sessions, each).await?;
     let completion = completions::measure(&d, completions).await?;
@@ -80,6 +103,8 @@ async fn main() -> Result<()> {
         "nats_server": version,
         "accounts": if d.accounts { "per-service users, agents by auth callout" } else { "none (open server)" },
         "store": "file",
+        "replicas": d.replicas,
+        "sync_interval": cluster.map_or("default (fsync every 2 min)", cluster::Sync::describe),
         "jetstream_floor": floor,
         "lane_handoff": lanes.handoff,
         "handoff_over_floor": { "p50": ratio("p50_us"), "p99": ratio("p99_us") },
@@ -103,4 +128,17 @@ async fn failover_bench(accounts: bool, sessions: usize) -> Result<()> {
     let figures = failover::measure(&d, sessions).await?;
     println!("{}", serde_json::to_string_pretty(&figures)?);
     Ok(())
+}
+
+/// Removes `--name VALUE` from `args`; its value, if given.
+fn take_option(args: &mut Vec<String>, name: &str) -> Result<Option<String>> {
+    let Some(i) = args.iter().position(|a| a == name) else {
+        return Ok(None);
+    };
+    if i + 1 >= args.len() {
+        bail!("{name} needs a value");
+    }
+    let value = args.remove(i + 1);
+    args.remove(i);
+    Ok(Some(value))
 }

@@ -177,6 +177,17 @@ pub async fn run(url: &str, cmd: RunCommand) -> anyhow::Result<ExitCode> {
 /// How `run start --wait` re-establishes a broken watch.
 const WATCH_RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
 
+/// How often `run start --wait` reads the run's record besides watching it.
+const RUN_POLL: Duration = Duration::from_secs(2);
+
+/// The run's record if it has ended, read directly (any server of a cluster answers).
+async fn ended(kv: &async_nats::jetstream::kv::Store, run: &RunId) -> Option<RunRecord> {
+    let bytes = kv.get(run.as_str()).await.ok()??;
+    serde_json::from_slice::<RunRecord>(&bytes)
+        .ok()
+        .filter(|r| r.state.is_terminal())
+}
+
 /// The run's record once it has ended, from a watch of its key; `None` when the watch ends.
 async fn terminal(
     watch: &mut async_nats::jetstream::kv::Watch,
@@ -227,10 +238,22 @@ async fn start(
         println!("{}", rec.id);
     }
     // A watch can break while the run goes on (its stream's leader moving to another server in
-    // a cluster): watch again, from the latest record, until the run has ended.
+    // a cluster): watch again, from the latest record, until the run has ended. A watch can
+    // also stall without saying so (its consumer lived on a server that died, and a cluster
+    // that lost a server may take minutes before it places a new one), so the record is also
+    // read directly every few seconds.
     let mut delays = WATCH_RETRY.delays();
+    let mut poll = tokio::time::interval(RUN_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let rec = loop {
-        match terminal(&mut watch).await {
+        let watched = tokio::select! {
+            w = terminal(&mut watch) => w,
+            _ = poll.tick() => match ended(&kv, &rec.id).await {
+                Some(r) => break r,
+                None => continue,
+            },
+        };
+        match watched {
             Ok(Some(r)) => break r,
             Ok(None) => eprintln!("run watch ended; watching {} again", rec.id),
             Err(e) => eprintln!("run watch interrupted ({e:#}); watching {} again", rec.id),

@@ -29,6 +29,10 @@ pub struct TopologyArgs {
     /// Redelivery wait of transport commands.
     #[arg(long, env = "TURNSTILE_TRANSPORT_ACK_WAIT", default_value = "30s", value_parser = crate::duration::parse_flag)]
     pub transport_ack_wait: Duration,
+    /// Redelivery wait of the broker's queues (progress-acked while handled): how soon a
+    /// killed broker replica's messages go to another.
+    #[arg(long, env = "TURNSTILE_SERVICE_ACK_WAIT", default_value = "2s", value_parser = crate::duration::parse_flag)]
+    pub service_ack_wait: Duration,
     /// A host that has not heartbeaten for this long counts as gone.
     #[arg(long, env = "TURNSTILE_HOST_TTL", default_value = "15s", value_parser = crate::duration::parse_flag)]
     pub host_ttl: Duration,
@@ -44,6 +48,7 @@ impl TopologyArgs {
             lane_ack_wait: self.lane_ack_wait,
             lane_pin_ttl: self.lane_pin_ttl,
             transport_ack_wait: self.transport_ack_wait,
+            service_ack_wait: self.service_ack_wait,
             host_ttl: self.host_ttl,
             replicas: usize::from(self.replicas),
             ..TopologyConfig::default()

@@ -38,10 +38,14 @@ where
 }
 
 /// Pulls from `consumer` and spawns `handle` for each message until `shutdown`; an `Err` when
-/// the pull stream fails or ends (the caller resumes with [`until_shutdown`]).
+/// the pull stream fails or ends (the caller resumes with [`until_shutdown`]). While a message
+/// is handled, its progress is acknowledged every `progress` (a third of the consumer's ack
+/// wait), so the ack wait can be short, and a dead replica's messages move soon, without
+/// slow handling being redelivered meanwhile.
 pub async fn each_message<H, Fut>(
     consumer: PullConsumer,
     shutdown: &CancellationToken,
+    progress: Duration,
     handle: H,
 ) -> Result<(), async_nats::Error>
 where
@@ -57,10 +61,44 @@ where
         };
         match next {
             Some(Ok(msg)) => {
-                tokio::spawn(handle(msg));
+                let guard = ProgressGuard::start(&msg, progress);
+                let work = handle(msg);
+                tokio::spawn(async move {
+                    work.await;
+                    drop(guard);
+                });
             }
             Some(Err(e)) => tracing::debug!(error = %e, "pull"),
             None => return Err("pull stream ended".into()),
+        }
+    }
+}
+
+/// Acknowledges a message's progress periodically until dropped (when its handler ends).
+struct ProgressGuard(Option<tokio::task::JoinHandle<()>>);
+
+impl ProgressGuard {
+    fn start(msg: &jetstream::Message, every: Duration) -> Self {
+        let Some(reply) = msg.reply.clone() else {
+            return Self(None);
+        };
+        let client = msg.context.client();
+        Self(Some(tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tick.tick().await;
+                if client.publish(reply.clone(), "+WIP".into()).await.is_err() {
+                    return;
+                }
+            }
+        })))
+    }
+}
+
+impl Drop for ProgressGuard {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
         }
     }
 }

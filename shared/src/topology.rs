@@ -18,6 +18,10 @@ pub struct TopologyConfig {
     pub lane_pin_ttl: Duration,
     /// Redelivery wait for transport commands (progress-acked while a turn runs).
     pub transport_ack_wait: Duration,
+    /// Redelivery wait of the broker's queues (ends, mirrors, agent launches, run ends),
+    /// progress-acked while a message is handled: a killed broker replica's messages go to
+    /// another replica this long after its last progress.
+    pub service_ack_wait: Duration,
     /// A host whose heartbeat is older than this drops out of the hosts bucket.
     pub host_ttl: Duration,
     /// Per-stream consumer ceiling (the server's default of 1,000 is far too low for lanes).
@@ -35,6 +39,7 @@ impl Default for TopologyConfig {
             lane_ack_wait: Duration::from_secs(30),
             lane_pin_ttl: Duration::from_secs(30),
             transport_ack_wait: Duration::from_secs(30),
+            service_ack_wait: Duration::from_secs(2),
             host_ttl: Duration::from_secs(15),
             max_consumers: 1_000_000,
             events_max_age: Duration::from_secs(7 * 24 * 3600),
@@ -47,6 +52,11 @@ impl TopologyConfig {
     /// How often a holder of a lane item or transport command must show progress.
     pub fn progress_interval(&self) -> Duration {
         (self.lane_ack_wait.min(self.transport_ack_wait) / 3).max(Duration::from_millis(200))
+    }
+
+    /// How often a service handling a message of its queues shows progress.
+    pub fn service_progress_interval(&self) -> Duration {
+        (self.service_ack_wait / 3).max(Duration::from_millis(100))
     }
 
     /// Pull requests must be renewed well within the pin TTL or the pin is lost between pulls.
@@ -319,7 +329,7 @@ pub async fn ensure_ended_consumer(
     let config = durable(
         &name,
         subjects::STEP_ENDED_ALL.to_string(),
-        cfg.transport_ack_wait,
+        cfg.service_ack_wait,
         1_000,
     );
     create_consumer(js, subjects::STEP_STREAM, &name, config).await
@@ -331,7 +341,13 @@ pub async fn ensure_agents_consumer(
     cfg: &TopologyConfig,
 ) -> Result<consumer::PullConsumer, TopologyError> {
     let name = subjects::BROKER_AGENTS_CONSUMER.to_string();
-    step_work_consumer(js, cfg, name, subjects::STEP_AGENT.to_string()).await
+    let config = durable(
+        &name,
+        subjects::STEP_AGENT.to_string(),
+        cfg.service_ack_wait,
+        100_000,
+    );
+    create_consumer(js, subjects::STEP_STREAM, &name, config).await
 }
 
 /// The broker's view of run ends (to finish background-agent steps), from the event stream.
@@ -343,7 +359,7 @@ pub async fn ensure_run_ends_consumer(
     let config = consumer::pull::Config {
         filter_subject: String::new(),
         filter_subjects: subjects::RUN_ENDS.iter().map(|s| s.to_string()).collect(),
-        ..durable(&name, String::new(), cfg.transport_ack_wait, 1_000)
+        ..durable(&name, String::new(), cfg.service_ack_wait, 1_000)
     };
     create_consumer(js, subjects::EVENTS_STREAM, &name, config).await
 }
@@ -386,7 +402,7 @@ async fn mirror_consumer(
     filter: &str,
 ) -> Result<consumer::PullConsumer, TopologyError> {
     let name = name.to_string();
-    let config = durable(&name, filter.to_string(), cfg.transport_ack_wait, 1_000);
+    let config = durable(&name, filter.to_string(), cfg.service_ack_wait, 1_000);
     create_consumer(js, stream, &name, config).await
 }
 

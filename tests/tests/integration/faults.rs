@@ -276,3 +276,73 @@ async fn killed_fast(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// Issue 11, broker fail-over in seconds: a broker replica holding a step's end (delivered to
+/// it, never acked: it is frozen, then SIGKILLed) loses it to the surviving replica within the
+/// broker queues' short ack wait, although the transport ack wait is 60 s: the step's end is
+/// recorded and its result handed back well before that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_brokers_messages_move_within_seconds() -> Result<()> {
+    let slow = [("TURNSTILE_TRANSPORT_ACK_WAIT", "60s")];
+    let mut stack = Stack::start_with(&["a"], &["h1"], &slow).await?;
+    let r = broker_killed_fast(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn broker_killed_fast(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::ExecutionId;
+    let s = stack.create_session("broker-failover", None).await?;
+    let t = stack.send(&s, "!step slow 3s\n!sleep 6s").await?;
+    let tx = ExecutionId::from(&t);
+    let tree = crate::stack::wait_until_tree(stack, &tx, Duration::from_secs(20), |t| {
+        t.nodes.len() == 1 && t.nodes[0].record.status.name() == "running"
+    })
+    .await?;
+    let step = tree.nodes[0].record.id.clone();
+    // b1 is frozen with its pull on the ends queue registered: the oldest waiting pull, so the
+    // step's end (reported through b2) is delivered to b1 and sits there unacked.
+    let b1 = stack
+        .brokers
+        .get("b1")
+        .and_then(|p| p.pid())
+        .context("b1")?;
+    crate::stack::signal(b1, rustix::process::Signal::STOP)?;
+    stack.spawn_broker("b2")?;
+    let ends = stack
+        .js
+        .get_stream(turnstile_shared::subjects::STEP_STREAM)
+        .await?
+        .get_consumer::<async_nats::jetstream::consumer::pull::Config>(
+            turnstile_shared::subjects::BROKER_ENDED_CONSUMER,
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    wait_until(
+        "the step's end held by the frozen broker",
+        Duration::from_secs(30),
+        || {
+            let mut ends = ends.clone();
+            async move {
+                let info = ends.info().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                Ok((info.num_ack_pending > 0).then_some(()))
+            }
+        },
+    )
+    .await?;
+    stack.brokers.get_mut("b1").context("b1")?.kill().await?;
+    let rec = stack
+        .wait_exec(&step, Duration::from_secs(15), |r| r.status.is_terminal())
+        .await?;
+    ensure!(
+        rec.status.name() == "completed",
+        "step ended {}",
+        rec.status.name()
+    );
+    let d = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(15)).await?;
+    ensure!(
+        crate::stack::listed_steps(&d[0].text) == vec![step.to_string()],
+        "delivered {:?}",
+        d[0].text
+    );
+    Ok(())
+}
