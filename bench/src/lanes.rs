@@ -32,25 +32,45 @@ pub async fn measure(
     let js = async_nats::jetstream::new(client.clone());
     let dir = tempfile::tempdir()?;
     let lane = start_lane(&d.lane);
-    let transport = start_transport(&d.transport, dir.path())?;
+    let mut transport = Some(start_transport(&d.transport, dir.path())?);
     let one = create_sessions(&client, 1).await?;
     let many = create_sessions(&client, sessions).await?;
     // With the transport stopped, queue every turn; when it comes back, each hand-off finds
-    // its next item already waiting on the lane.
-    transport.stop().await;
+    // its next item already waiting on the lane. Not on a cluster: there a stopped client's
+    // pull requests outlive its connection at a consumer leader on another node (until they
+    // expire), and a command delivered to one waits for the ack wait (30 s); the turns are
+    // queued with the transport running instead (the first hand-offs, skipped, may wait).
+    let restart = d.replicas == 1;
+    let pause = |t: &mut Option<crate::inproc::Running>| {
+        let t = if restart { t.take() } else { None };
+        async move {
+            if let Some(t) = t {
+                t.stop().await;
+            }
+        }
+    };
+    let resume = |t: &mut Option<crate::inproc::Running>| -> Result<()> {
+        if t.is_none() {
+            *t = Some(start_transport(&d.transport, dir.path())?);
+        }
+        Ok(())
+    };
+    pause(&mut transport).await;
 
     let single = queue(&js, &one, single_turns).await?;
-    let transport = start_transport(&d.transport, dir.path())?;
+    resume(&mut transport)?;
     wait_all(&js, &single).await?;
-    transport.stop().await;
+    pause(&mut transport).await;
     let handoff = handoffs(&records(&js, &single).await?);
 
     let all = queue(&js, &many, turns_each).await?;
     let started = Instant::now();
-    let transport = start_transport(&d.transport, dir.path())?;
+    resume(&mut transport)?;
     wait_all(&js, &all).await?;
     let seconds = started.elapsed().as_secs_f64();
-    transport.stop().await;
+    if let Some(t) = transport {
+        t.stop().await;
+    }
     lane.stop().await;
     Ok(LaneFigures {
         handoff: crate::summary(handoff),

@@ -63,12 +63,16 @@ async fn main() -> Result<()> {
         |i: usize, default: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default);
     match args.first().map(String::as_str) {
         Some("lanes") => {}
+        Some("floor") => {
+            turnstile_shared::telemetry::init_with_default("warn");
+            return floor_bench(accounts, cluster, num(1, 2000)).await;
+        }
         Some("failover") => {
             turnstile_shared::telemetry::init_with_default("warn");
             return failover_bench(accounts, num(1, 1000)).await;
         }
         _ => bail!(
-            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench failover [--auth] [SESSIONS=1000]"
+            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench floor [--auth | --replicas 3 [--sync always|default]] [ROUND_TRIPS=2000]\n       turnstile-bench failover [--auth] [SESSIONS=1000]"
         ),
     }
     turnstile_shared::telemetry::init_with_default("warn");
@@ -141,4 +145,25 @@ fn take_option(args: &mut Vec<String>, name: &str) -> Result<Option<String>> {
     let value = args.remove(i + 1);
     args.remove(i);
     Ok(Some(value))
+}
+
+/// `turnstile-bench floor`: the raw JetStream floor alone, on one server or a cluster (what a
+/// durable hand-off costs with three copies and with `sync_interval: always`).
+async fn floor_bench(
+    accounts: bool,
+    cluster: Option<cluster::Sync>,
+    round_trips: usize,
+) -> Result<()> {
+    let d = match cluster {
+        Some(sync) => deployment::Deployment::start_cluster(sync).await?,
+        None => deployment::Deployment::start(accounts).await?,
+    };
+    let floor = floor::measure(&d, round_trips).await?;
+    let out = serde_json::json!({
+        "replicas": d.replicas,
+        "sync_interval": cluster.map_or("default (fsync every 2 min)", cluster::Sync::describe),
+        "jetstream_floor": floor,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
 }
