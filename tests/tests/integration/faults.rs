@@ -209,7 +209,8 @@ async fn a_killed_replicas_lanes_move_within_seconds_despite_long_timeouts() -> 
         ("TURNSTILE_LANE_PIN_TTL", "60s"),
         ("TURNSTILE_LANE_ACK_WAIT", "60s"),
     ];
-    let mut stack = Stack::start_with(&["a", "b"], &["h1"], &slow).await?;
+    // Replica `a` alone first, so it holds every lane; `b` joins before `a` is killed.
+    let mut stack = Stack::start_with(&["a"], &["h1"], &slow).await?;
     let r = killed_fast(&mut stack).await;
     report(&stack, r)
 }
@@ -227,32 +228,83 @@ async fn server_of(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<Str
         .context("a started turn")
 }
 
+/// Waits until `replicas` pull requests wait on each session's lane (every replica keeps one).
+async fn wait_pulling(
+    stack: &Stack,
+    sessions: &[&turnstile_shared::SessionId],
+    replicas: usize,
+) -> Result<()> {
+    let lanes = stack
+        .js
+        .get_stream(turnstile_shared::subjects::LANE_STREAM)
+        .await?;
+    for s in sessions {
+        let name = turnstile_shared::subjects::lane_consumer(s);
+        wait_until(
+            "every replica pulling on the lane",
+            Duration::from_secs(20),
+            || {
+                let lanes = lanes.clone();
+                let name = name.clone();
+                async move {
+                    let info = lanes
+                        .consumer_info(&name)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("{e}"))?;
+                    Ok((info.num_waiting as usize >= replicas).then_some(()))
+                }
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 async fn killed_fast(stack: &mut Stack) -> Result<()> {
+    // Both lanes take a first turn from `a` alone: `a` holds both pins.
+    let idle = stack.create_session("idle", None).await?;
     let busy = stack.create_session("busy", None).await?;
+    for s in [&idle, &busy] {
+        let warm = stack.send(s, "warm-up\n!reply ok").await?;
+        stack.wait_turn(&warm, Duration::from_secs(20)).await?;
+    }
+    stack.spawn_lane("b")?;
+    wait_pulling(stack, &[&idle, &busy], 2).await?;
     let texts: Vec<String> = (0..4).map(|i| format!("part {i}\n!sleep 500ms")).collect();
     let turns = stack.send_all(&busy, &texts).await?;
-    stack.wait_running(&turns[0]).await?;
-    let serving = server_of(stack, &busy).await?;
-    // An idle session whose lane the same replica holds (pins are spread over replicas).
-    let mut idle = None;
-    for i in 0..8 {
-        let s = stack.create_session(&format!("idle-{i}"), None).await?;
-        let t = stack.send(&s, "warm-up\n!reply ok").await?;
-        stack.wait_turn(&t, Duration::from_secs(20)).await?;
-        if server_of(stack, &s).await? == serving {
-            idle = Some(s);
-            break;
-        }
-    }
-    let idle = idle.context("no idle session pinned to the serving replica in 8 tries")?;
     stack.wait_running(&turns[1]).await?;
+    ensure!(
+        server_of(stack, &busy).await? == "a",
+        "a serves the busy session"
+    );
     stack
         .lanes
-        .get_mut(&serving)
-        .context("serving replica")?
+        .get_mut("a")
+        .context("replica a")?
         .kill()
         .await?;
-    let after = stack.send(&idle, "after the kill\n!reply moved").await?;
+    // A request sent as the replica dies may have gone to it: retried with the same turn id,
+    // as a client of a dying replica would.
+    let after = turnstile_shared::TurnId::new();
+    let req = turnstile_shared::api::SendTurn {
+        session: idle.clone(),
+        text: "after the kill\n!reply moved".into(),
+        turn: Some(after.clone()),
+    };
+    for attempt in 1.. {
+        let sent: Result<turnstile_shared::records::TurnRecord, _> = turnstile_shared::api::call(
+            &stack.client,
+            turnstile_shared::subjects::api::SESSION_SEND,
+            &req,
+            crate::stack::API,
+        )
+        .await;
+        match sent {
+            Ok(_) => break,
+            Err(e) if e.code.is_transient() && attempt < 3 => continue,
+            Err(e) => anyhow::bail!("send after the kill: {e}"),
+        }
+    }
     // Well under the 60 s either timeout would take.
     for t in turns.iter().chain(std::iter::once(&after)) {
         let rec = stack.wait_turn(t, Duration::from_secs(15)).await?;
@@ -266,14 +318,14 @@ async fn killed_fast(stack: &mut Stack) -> Result<()> {
         );
     }
     ensure!(
-        server_of(stack, &idle).await? != serving,
-        "the idle lane's turn was served by the killed replica"
+        server_of(stack, &idle).await? == "b",
+        "the idle lane's turn was not served by the survivor"
     );
-    stack.typed_exactly_once(&busy, &texts).await?;
-    ensure!(
-        serial_turns(&stack.events().await?, &busy)? == turns,
-        "turns out of order"
-    );
+    let mut typed = vec!["warm-up\n!reply ok".to_string()];
+    typed.extend(texts.iter().cloned());
+    stack.typed_exactly_once(&busy, &typed).await?;
+    let order = serial_turns(&stack.events().await?, &busy)?;
+    ensure!(order.ends_with(&turns), "turns out of order: {order:?}");
     Ok(())
 }
 
