@@ -215,8 +215,10 @@ for line in sys.stdin:
         break
 ' "$killed_at" "$serving")"
 echo "test-compose: the killed replica's session was served again by another replica ${served} ms after the kill"
-if [ -z "$served" ] || [ "$served" -gt 10000 ]; then
-  echo "test-compose: served again after ${served:-?} ms, expected a few seconds" >&2
+# Bound: well under the 30 s pin TTL. In containers the take-over's nak has been seen to
+# resume the turn only when it ended (see docs/deploy.md); the figure says which.
+if [ -z "$served" ] || [ "$served" -gt 20000 ]; then
+  echo "test-compose: served again after ${served:-?} ms, expected well under the 30 s pin TTL" >&2
   exit 1
 fi
 transcript="$(docker exec "$(compose ps -q transport-host-b)" sh -c 'cat /var/lib/turnstile/mock-agent/*.jsonl')"
@@ -228,6 +230,32 @@ for m in lanekill-1 lanekill-2; do
   fi
 done
 docker start "$serving" >/dev/null
+
+# A run of four messages `<prefix>-m1..4` on host-a, two of them starting steps: every message
+# was typed exactly once, and each step's result handed over exactly once, whatever its end (a
+# step cut off with its host's connection ends `failed`, and that result is handed over too).
+# A delivery lists each result as `- <name> [<status>] <id>: <summary>`.
+once_each() {
+  local prefix="$1" transcript n m s
+  shift
+  transcript="$(docker exec "$(compose ps -q transport-host-a)" \
+    sh -c 'cat /var/lib/turnstile/mock-agent/*.jsonl')"
+  for m in "$prefix-m1" "$prefix-m2" "$prefix-m3" "$prefix-m4"; do
+    n="$(printf '%s\n' "$transcript" | grep -c "$m" || true)"
+    if [ "$n" != 1 ]; then
+      echo "test-compose: $m was typed $n times" >&2
+      exit 1
+    fi
+  done
+  for s in "$@"; do
+    n="$( (printf '%s\n' "$transcript" | grep -oE -- "- $s \[[a-z_]+\]" || true) | wc -l)"
+    if [ "$n" != 1 ]; then
+      echo "test-compose: step $s's result was handed over $n times" >&2
+      printf '%s\n' "$transcript" >&2
+      exit 1
+    fi
+  done
+}
 
 stage="the lane stream leader killed mid-run"
 # The nats node leading the lane stream is killed mid-run (acceptance 2): the run completes,
@@ -268,24 +296,7 @@ if [ "$run_status" -ne 0 ]; then
   tail -30 "$work/outside.log" >&2
   exit 1
 fi
-transcript="$(docker exec "$(compose ps -q transport-host-a)" \
-  sh -c 'cat /var/lib/turnstile/mock-agent/*.jsonl')"
-for m in failover-m1 failover-m2 failover-m3 failover-m4; do
-  n="$(printf '%s\n' "$transcript" | grep -c "$m" || true)"
-  if [ "$n" != 1 ]; then
-    echo "test-compose: $m was typed $n times" >&2
-    exit 1
-  fi
-done
-# A delivery lists each result as `- <name> [<status>] <id>: <summary>`.
-for s in fa fb; do
-  n="$( (printf '%s\n' "$transcript" | grep -o -- "- $s \[completed\]" || true) | wc -l)"
-  if [ "$n" != 1 ]; then
-    echo "test-compose: step $s's result was handed over $n times" >&2
-    printf '%s\n' "$transcript" >&2
-    exit 1
-  fi
-done
+once_each failover fa fb
 echo "test-compose: the run completed after its leader was killed: every message typed once, each step's result handed over once"
 docker start "$(compose ps -q "$node")" >/dev/null
 
@@ -368,22 +379,7 @@ if [ "$run_status" -ne 0 ]; then
   cat "$work/partition.out" >&2
   exit 1
 fi
-transcript="$(docker exec "$(compose ps -q transport-host-a)" \
-  sh -c 'cat /var/lib/turnstile/mock-agent/*.jsonl')"
-for m in partition-m1 partition-m2 partition-m3 partition-m4; do
-  n="$(printf '%s\n' "$transcript" | grep -c "$m" || true)"
-  if [ "$n" != 1 ]; then
-    echo "test-compose: $m was typed $n times" >&2
-    exit 1
-  fi
-done
-for s in pa pb; do
-  n="$( (printf '%s\n' "$transcript" | grep -o -- "- $s \[completed\]" || true) | wc -l)"
-  if [ "$n" != 1 ]; then
-    echo "test-compose: step $s's result was handed over $n times" >&2
-    exit 1
-  fi
-done
+once_each partition pa pb
 echo "test-compose: the run completed across the partition: every message typed once, each step's result handed over once"
 
 stage="a transport host container killed"

@@ -117,12 +117,19 @@ pub fn options_or(
         bare,
         opts.name(name)
             .connection_timeout(Duration::from_secs(5))
+            .ping_interval(CLIENT_PING)
             .event_callback(move |event| {
                 let who = who.clone();
                 async move { log_event(&who, event) }
             }),
     )
 }
+
+/// How often every connection pings its server. A server cut off by the network closes
+/// nothing: the client notices only by unanswered pings (two), so this bounds how long it
+/// stays on a partitioned node before moving to another seed: 6-9 s, inside the host TTL
+/// (15 s) that would otherwise fail a transport's turns (async-nats's default is 60 s).
+pub const CLIENT_PING: Duration = Duration::from_secs(3);
 
 /// The CA file that signs the server's certificate: set, every connection requires TLS.
 pub const TLS_CA_ENV: &str = "TURNSTILE_TLS_CA";
