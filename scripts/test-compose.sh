@@ -196,11 +196,14 @@ done
 killed_at="$(date +%s.%N)"
 docker kill "$serving" >/dev/null
 echo "test-compose: killed session-lane replica $serving during a turn"
+# Bounded by the ack wait (30 s) plus the turn: in one run of four the resumed turn's item came
+# back only after the lane ack wait although the take-over had happened (see docs/deploy.md).
 if ! "$bin/turnstile" session send "$lanekill" $'lanekill-2\n!reply served again' --wait \
-     --timeout 25s > "$work/lanekill.out"; then
-  echo "test-compose: the killed replica's session was not served within 25 s (pin TTL 30 s)" >&2
+     --timeout 60s > "$work/lanekill.out"; then
+  echo "test-compose: the killed replica's session was not served within 60 s" >&2
   exit 1
 fi
+echo "test-compose: the killed replica's session took its next turn $(python3 -c "import sys,time; print(round((time.time() - float(sys.argv[1])) * 1000))" "$killed_at") ms after the kill (its turn in flight lasted 8 s)"
 # The survivor's own account of the take-over (its log line names the dead instance), timed
 # from the kill. (Not a `turn.started`: the survivor re-dispatches the turn in flight with the
 # same ids, and the event stream drops the repeated event as a duplicate.)
