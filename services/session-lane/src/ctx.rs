@@ -2,6 +2,8 @@
 //! topology, the replica's one turn watch, and the small per-replica state (lanes to hand back
 //! at shutdown, sessions whose last delivery failed, bound completion consumers).
 
+use std::time::Duration;
+
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::config::StartError;
 use turnstile_shared::topology::{Buckets, TopologyConfig};
@@ -13,7 +15,28 @@ pub enum Error {
     #[error("start API service: {0}")]
     Api(async_nats::Error),
     #[error(transparent)]
-    Fenced(#[from] crate::liveness::Fenced),
+    Fenced(#[from] Fenced),
+}
+
+/// The replica was taken for dead by a survivor, which now serves its lanes (`liveness`).
+#[derive(Debug, thiserror::Error)]
+#[error("this replica's liveness key was taken by a survivor (it was silent for too long)")]
+pub struct Fenced;
+
+/// How often a replica renews its liveness key, and how long a silent one lives.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_millis(250),
+            timeout: Duration::from_millis(1250),
+        }
+    }
 }
 
 /// Everything a lane worker or API handler needs, shared by reference.
@@ -26,7 +49,7 @@ pub(crate) struct Ctx {
     /// This process among the replicas: `<replica>-<random>`, the name liveness and pin
     /// records use (a restarted replica is a new instance, even under the same name).
     pub instance: String,
-    pub liveness: crate::liveness::Timing,
+    pub liveness: Timing,
     /// Cancelled when a survivor took this replica for dead and took its lanes over: nothing
     /// may be acked, given back or handed back from then on.
     pub fenced: CancellationToken,

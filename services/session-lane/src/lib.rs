@@ -32,8 +32,8 @@ use turnstile_shared::config::Connected;
 use turnstile_shared::topology::TopologyConfig;
 
 pub use crate::ctx::Error;
+pub use crate::ctx::Timing as LivenessTiming;
 use crate::ctx::{Ctx, Handback};
-pub use crate::liveness::Timing as LivenessTiming;
 
 #[derive(Debug, Clone)]
 pub struct Config {

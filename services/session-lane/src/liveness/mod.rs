@@ -22,7 +22,6 @@ mod takeover;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_nats::jetstream::kv::{Entry, Operation};
 use futures::StreamExt;
@@ -31,25 +30,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::subjects;
 
-use crate::ctx::Ctx;
+use crate::ctx::{Ctx, Fenced, Timing};
 
 pub(crate) use takeover::{depart, forget_pin, record_pin};
-
-/// How often a replica renews its liveness key, and how long a silent one lives.
-#[derive(Debug, Clone, Copy)]
-pub struct Timing {
-    pub interval: Duration,
-    pub timeout: Duration,
-}
-
-impl Default for Timing {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_millis(250),
-            timeout: Duration::from_millis(1250),
-        }
-    }
-}
 
 /// The value of a `live.<instance>` key (for operators reading the bucket).
 #[derive(Debug, Serialize, Deserialize)]
@@ -135,11 +118,6 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<()
         }
     }
 }
-
-/// The replica was taken for dead by a survivor, which now serves its lanes.
-#[derive(Debug, thiserror::Error)]
-#[error("this replica's liveness key was taken by a survivor (it was silent for too long)")]
-pub struct Fenced;
 
 /// One watch entry: a peer's renewal or departure, or our own renewal coming back.
 fn observe(
