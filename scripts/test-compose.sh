@@ -392,6 +392,17 @@ fi
 once_each partition --at-most pa pb
 echo "test-compose: the run completed across the partition: every message typed once, each step's result handed over once"
 
+# The cut-off node catches up before the next stage (a client's new watch could otherwise be
+# placed on a node still out of step).
+deadline=$((SECONDS + 120))
+until [ -n "$(jsz_current 2>/dev/null)" ]; do
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "test-compose: the cluster did not have every copy current again within 120 s" >&2
+    exit 1
+  fi
+  sleep 2
+done
+
 stage="a transport host container killed"
 # A transport host container is killed (acceptance 5): the turn it was running fails
 # `transport_unavailable` with evidence, the other host's sessions are untouched, and after
