@@ -211,7 +211,7 @@ served=""
 deadline=$((SECONDS + 20))
 while [ -z "$served" ] && [ "$SECONDS" -le "$deadline" ]; do
   served="$(for c in $(compose ps -q session-lane); do docker logs "$c" 2>&1; done \
-    | sed 's/\x1b\[[0-9;]*m//g' | grep "took over a dead replica's lanes instance=$serving-" \
+    | grep "took over a dead replica's lanes instance=$serving-" \
     | head -1 | python3 -c '
 import datetime, sys
 killed = float(sys.argv[1])
@@ -267,55 +267,6 @@ once_each() {
   done
 }
 
-stage="the lane stream leader killed mid-run"
-# The nats node leading the lane stream is killed mid-run (acceptance 2): the run completes,
-# each message is typed exactly once, and each step's result is handed over exactly once. On a
-# host inside compose, whose agents have every node as a seed.
-inside="$(cli session create --agent mock --name failover --host host-a | tr -d '\r')"
-"$bin/turnstile" run start --session "$inside" --wait \
-  --message $'failover-m1\n!step fa 1s --scope run' --message $'failover-m2\n!sleep 2s' \
-  --message $'failover-m3\n!step fb 1s --scope run' --message $'failover-m4\n!sleep 1s' \
-  > "$work/run.out" 2>&1 &
-run_pid=$!
-# Bounded: the run takes about 10 s; a wait that never ends would hang the suite.
-( sleep 300; kill "$run_pid" 2>/dev/null ) &
-run_guard=$!
-sleep 2
-leader="$(python3 - "$monitor" <<'PY'
-import json, sys, urllib.request
-url = f"http://127.0.0.1:{sys.argv[1]}/jsz?accounts=true&streams=true"
-jsz = json.load(urllib.request.urlopen(url, timeout=5))
-for a in jsz.get("account_details", []):
-    for s in a.get("stream_detail", []):
-        if s["name"] == "TS_LANE":
-            print(s["cluster"]["leader"])
-PY
-)"
-case "$leader" in
-  turnstile-nats) node=nats ;;
-  *) node="$leader" ;;
-esac
-docker kill "$(compose ps -q "$node")" >/dev/null
-echo "test-compose: killed $node, the lane stream's leader, mid-run"
-run_status=0
-wait "$run_pid" || run_status=$?
-kill "$run_guard" 2>/dev/null || true
-if [ "$run_status" -ne 0 ]; then
-  echo "test-compose: the run did not complete after its leader was killed:" >&2
-  cat "$work/run.out" >&2
-  tail -30 "$work/outside.log" >&2
-  exit 1
-fi
-once_each failover fa fb
-echo "test-compose: the run completed after its leader was killed: every message typed once, each step's result handed over once"
-docker start "$(compose ps -q "$node")" >/dev/null
-
-stage="a nats node cut off for 20 s"
-# One nats node is cut off from the network for 20 s mid-run, then reconnected (acceptance 3):
-# the same holds. The node cut off is the one now leading the lane stream, once every stream
-# has its three copies current again after the restart above.
-network="$(docker inspect -f '{{range $k, $v := .NetworkSettings.Networks}}{{$k}}{{end}}' \
-  "$(compose ps -q nats-2)")"
 # Every stream's leader reports both other copies current (only a leader knows; each node's
 # /jsz is read through its address on the compose network, reachable from the Docker host).
 jsz_current() {
@@ -353,27 +304,78 @@ ok = names and all(leaders.get(n) for n in names)
 print(lane if ok else "")
 PY
 }
-deadline=$((SECONDS + 120))
-until leader="$(jsz_current 2>/dev/null)" && [ -n "$leader" ]; do
-  if [ "$SECONDS" -gt "$deadline" ]; then
-    echo "test-compose: the cluster did not have every copy current again within 120 s" >&2
+# Waits (bounded) until every stream's copies are current; prints the lane stream's leader.
+lane_leader() {
+  local leader deadline=$((SECONDS + 120))
+  until leader="$(jsz_current 2>/dev/null)" && [ -n "$leader" ]; do
+    if [ "$SECONDS" -gt "$deadline" ]; then
+      echo "test-compose: the cluster did not have every copy current within 120 s" >&2
+      exit 1
+    fi
+    sleep 2
+  done
+  echo "$leader"
+}
+
+# A run of four messages `<prefix>-m1..4` on the host-a session, two starting steps
+# `<step1>`/`<step2>`, in the background (its output in $work/<prefix>.out), bounded: it takes
+# about 10 s, and a wait that never ends would hang the suite.
+start_run() {
+  local prefix="$1" step1="$2" step2="$3"
+  "$bin/turnstile" run start --session "$inside" --wait \
+    --message "$prefix-m1"$'\n'"!step $step1 1s --scope run" --message "$prefix-m2"$'\n!sleep 2s' \
+    --message "$prefix-m3"$'\n'"!step $step2 1s --scope run" --message "$prefix-m4"$'\n!sleep 1s' \
+    > "$work/$prefix.out" 2>&1 &
+  run_pid=$!
+  ( sleep 300; kill "$run_pid" 2>/dev/null ) &
+  run_guard=$!
+}
+
+# Waits for the run of start_run; fails with `<what>` and its output unless it completed.
+finish_run() {
+  local prefix="$1" what="$2" status=0
+  wait "$run_pid" || status=$?
+  kill "$run_guard" 2>/dev/null || true
+  if [ "$status" -ne 0 ]; then
+    echo "test-compose: the run did not complete $what:" >&2
+    cat "$work/$prefix.out" >&2
     exit 1
   fi
-  sleep 2
-done
+}
+
+stage="the lane stream leader killed mid-run"
+# The nats node leading the lane stream is killed mid-run (acceptance 2): the run completes,
+# each message is typed exactly once, and each step's result is handed over exactly once. On a
+# host inside compose, whose agents have every node as a seed.
+inside="$(cli session create --agent mock --name failover --host host-a | tr -d '\r')"
+leader="$(lane_leader)"
+start_run failover fa fb
+sleep 2
+case "$leader" in
+  turnstile-nats) node=nats ;;
+  *) node="$leader" ;;
+esac
+docker kill "$(compose ps -q "$node")" >/dev/null
+echo "test-compose: killed $node, the lane stream's leader, mid-run"
+finish_run failover "after its leader was killed"
+once_each failover fa fb
+echo "test-compose: the run completed after its leader was killed: every message typed once, each step's result handed over once"
+docker start "$(compose ps -q "$node")" >/dev/null
+
+stage="a nats node cut off for 20 s"
+# One nats node is cut off from the network for 20 s mid-run, then reconnected (acceptance 3):
+# the same holds. The node cut off is the one now leading the lane stream, once every stream
+# has its three copies current again after the restart above.
+network="$(docker inspect -f '{{range $k, $v := .NetworkSettings.Networks}}{{$k}}{{end}}' \
+  "$(compose ps -q nats-2)")"
+leader="$(lane_leader)"
 # `nats` carries the published ports this script's clients connect through: when it leads,
 # a follower is cut off instead.
 case "$leader" in
   turnstile-nats) node=nats-2 ;;
   *) node="$leader" ;;
 esac
-"$bin/turnstile" run start --session "$inside" --wait \
-  --message $'partition-m1\n!step pa 1s --scope run' --message $'partition-m2\n!sleep 2s' \
-  --message $'partition-m3\n!step pb 1s --scope run' --message $'partition-m4\n!sleep 1s' \
-  > "$work/partition.out" 2>&1 &
-run_pid=$!
-( sleep 300; kill "$run_pid" 2>/dev/null ) &
-run_guard=$!
+start_run partition pa pb
 sleep 2
 container="$(compose ps -q "$node")"
 docker network disconnect "$network" "$container"
@@ -381,27 +383,13 @@ echo "test-compose: cut $node off the network for 20 s (the lane stream's leader
 sleep 20
 docker network connect --alias "$node" "$network" "$container"
 echo "test-compose: reconnected $node"
-run_status=0
-wait "$run_pid" || run_status=$?
-kill "$run_guard" 2>/dev/null || true
-if [ "$run_status" -ne 0 ]; then
-  echo "test-compose: the run did not complete across the partition:" >&2
-  cat "$work/partition.out" >&2
-  exit 1
-fi
+finish_run partition "across the partition"
 once_each partition --at-most pa pb
 echo "test-compose: the run completed across the partition: every message typed once, each step's result handed over once"
 
 # The cut-off node catches up before the next stage (a client's new watch could otherwise be
 # placed on a node still out of step).
-deadline=$((SECONDS + 120))
-until [ -n "$(jsz_current 2>/dev/null)" ]; do
-  if [ "$SECONDS" -gt "$deadline" ]; then
-    echo "test-compose: the cluster did not have every copy current again within 120 s" >&2
-    exit 1
-  fi
-  sleep 2
-done
+lane_leader >/dev/null
 
 stage="a transport host container killed"
 # A transport host container is killed (acceptance 5): the turn it was running fails

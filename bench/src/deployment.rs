@@ -38,20 +38,7 @@ impl Deployment {
         let dir = tempfile::tempdir()?;
         if !accounts {
             let nats = turnstile_tests::NatsServer::start().await?;
-            let url = nats.url();
-            return Ok(Self {
-                _nats: vec![nats],
-                replicas: 1,
-                accounts,
-                lane: url.clone(),
-                transport: url.clone(),
-                broker: url.clone(),
-                callout: None,
-                operator: url.clone(),
-                admin: url.clone(),
-                floor: url,
-                _dir: dir,
-            });
+            return Ok(Self::open(vec![nats], dir));
         }
         let hosts: Vec<HostName> = vec![HOST.parse()?];
         let floor = ExtraUser {
@@ -135,10 +122,15 @@ impl Deployment {
     pub async fn start_cluster(sync: crate::cluster::Sync) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let nodes = crate::cluster::start(dir.path(), sync).await?;
-        let url = nodes[0].url();
-        Ok(Self {
+        Ok(Self::open(nodes, dir))
+    }
+
+    /// An open server (or cluster, one copy per node): every client on the first node's bare URL.
+    fn open(nodes: Vec<turnstile_tests::NatsServer>, dir: tempfile::TempDir) -> Self {
+        let url = nodes.first().map(|n| n.url()).unwrap_or_default();
+        Self {
+            replicas: nodes.len(),
             _nats: nodes,
-            replicas: 3,
             accounts: false,
             lane: url.clone(),
             transport: url.clone(),
@@ -148,7 +140,7 @@ impl Deployment {
             admin: url.clone(),
             floor: url,
             _dir: dir,
-        })
+        }
     }
 
     pub async fn connect(url: &str) -> Result<async_nats::Client> {

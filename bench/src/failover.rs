@@ -11,10 +11,10 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use chrono::Utc;
 use turnstile_shared::records::TurnState;
-use turnstile_shared::{subjects, SessionId};
+use turnstile_shared::SessionId;
 use turnstile_tests::ServiceProcess;
 
 use crate::deployment::Deployment;
@@ -44,7 +44,8 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
     let warm = queue(&js, &ids, 1).await?;
     wait_all(&js, &warm).await?;
     let b = replica("b")?;
-    wait_pulling(&js, &ids, 2).await?;
+    let all: Vec<&SessionId> = ids.iter().collect();
+    turnstile_tests::wait_lanes_pulled(&js, &all, 2, Duration::from_secs(120)).await?;
 
     let killed_at = Utc::now();
     a.kill().await?;
@@ -69,10 +70,8 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
         .rev()
         .find(|l| l.contains("took over a dead replica's lanes"))
         .map(|l| {
-            let plain = strip_ansi(l);
             let field = |name: &str| {
-                plain
-                    .split_whitespace()
+                l.split_whitespace()
                     .find_map(|w| w.strip_prefix(name))
                     .and_then(|v| v.parse::<u64>().ok())
             };
@@ -92,52 +91,4 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
         },
         "takeover": took_over,
     }))
-}
-
-/// Waits until every session's lane consumer has `replicas` waiting pull requests (each replica
-/// keeps one on every lane), bounded.
-async fn wait_pulling(
-    js: &async_nats::jetstream::Context,
-    ids: &[SessionId],
-    replicas: usize,
-) -> Result<()> {
-    let stream = js.get_stream_no_info(subjects::LANE_STREAM).await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    for s in ids {
-        loop {
-            let info = stream
-                .consumer_info(subjects::lane_consumer(s))
-                .await
-                .with_context(|| format!("lane consumer of {s}"))?;
-            if info.num_waiting as usize >= replicas {
-                break;
-            }
-            if tokio::time::Instant::now() > deadline {
-                bail!(
-                    "lane of {s} has {} pull requests waiting, not {replicas}",
-                    info.num_waiting
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-    Ok(())
-}
-
-/// A log line without its terminal colours.
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }

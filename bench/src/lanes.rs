@@ -32,45 +32,23 @@ pub async fn measure(
     let js = async_nats::jetstream::new(client.clone());
     let dir = tempfile::tempdir()?;
     let lane = start_lane(&d.lane);
-    let mut transport = Some(start_transport(&d.transport, dir.path())?);
+    let mut transport = Transport::start(d, dir.path())?;
     let one = create_sessions(&client, 1).await?;
     let many = create_sessions(&client, sessions).await?;
-    // With the transport stopped, queue every turn; when it comes back, each hand-off finds
-    // its next item already waiting on the lane. Not on a cluster: there a stopped client's
-    // pull requests outlive its connection at a consumer leader on another node (until they
-    // expire), and a command delivered to one waits for the ack wait (30 s); the turns are
-    // queued with the transport running instead (the first hand-offs, skipped, may wait).
-    let restart = d.replicas == 1;
-    let pause = |t: &mut Option<crate::inproc::Running>| {
-        let t = if restart { t.take() } else { None };
-        async move {
-            if let Some(t) = t {
-                t.stop().await;
-            }
-        }
-    };
-    let resume = |t: &mut Option<crate::inproc::Running>| -> Result<()> {
-        if t.is_none() {
-            *t = Some(start_transport(&d.transport, dir.path())?);
-        }
-        Ok(())
-    };
-    pause(&mut transport).await;
+    transport.pause().await;
 
     let single = queue(&js, &one, single_turns).await?;
-    resume(&mut transport)?;
+    transport.resume()?;
     wait_all(&js, &single).await?;
-    pause(&mut transport).await;
+    transport.pause().await;
     let handoff = handoffs(&records(&js, &single).await?);
 
     let all = queue(&js, &many, turns_each).await?;
     let started = Instant::now();
-    resume(&mut transport)?;
+    transport.resume()?;
     wait_all(&js, &all).await?;
     let seconds = started.elapsed().as_secs_f64();
-    if let Some(t) = transport {
-        t.stop().await;
-    }
+    transport.stop().await;
     lane.stop().await;
     Ok(LaneFigures {
         handoff: crate::summary(handoff),
@@ -81,6 +59,50 @@ pub async fn measure(
             "turns_per_sec": (all.len() as f64 / seconds).round(),
         }),
     })
+}
+
+/// The benchmark's transport agent. With it paused, every turn is queued first, so each
+/// hand-off finds its next item already waiting on the lane. Not on a cluster: there a stopped
+/// client's pull requests outlive its connection at a consumer leader on another node (until
+/// they expire), and a command delivered to one waits for the ack wait (30 s); the turns are
+/// queued with the transport running instead (the first hand-offs, skipped, may wait).
+struct Transport<'a> {
+    url: &'a str,
+    dir: &'a std::path::Path,
+    running: Option<crate::inproc::Running>,
+    pauses: bool,
+}
+
+impl<'a> Transport<'a> {
+    fn start(d: &'a Deployment, dir: &'a std::path::Path) -> Result<Self> {
+        Ok(Self {
+            url: &d.transport,
+            dir,
+            running: Some(start_transport(&d.transport, dir)?),
+            pauses: d.replicas == 1,
+        })
+    }
+
+    async fn pause(&mut self) {
+        if self.pauses {
+            if let Some(t) = self.running.take() {
+                t.stop().await;
+            }
+        }
+    }
+
+    fn resume(&mut self) -> Result<()> {
+        if self.running.is_none() {
+            self.running = Some(start_transport(self.url, self.dir)?);
+        }
+        Ok(())
+    }
+
+    async fn stop(mut self) {
+        if let Some(t) = self.running.take() {
+            t.stop().await;
+        }
+    }
 }
 
 /// Publishes `n` turn items per session straight onto the lanes, pipelined.

@@ -28,6 +28,7 @@ mod runs;
 mod schedule;
 mod session;
 mod steps;
+mod wait;
 mod worker;
 
 use std::path::PathBuf;

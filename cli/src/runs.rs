@@ -4,13 +4,10 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Context;
 use chrono::{DateTime, SecondsFormat, Utc};
 use clap::{Args, Subcommand};
-use futures::StreamExt;
 use turnstile_shared::api;
 use turnstile_shared::duration;
-use turnstile_shared::retry::Backoff;
 use turnstile_shared::runs::{RunLimits, RunRecord, RunRef, RunState, StartRun};
 use turnstile_shared::schedules::ListRuns;
 use turnstile_shared::subjects::{self, api as subj};
@@ -174,35 +171,6 @@ pub async fn run(url: &str, cmd: RunCommand) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// How `run start --wait` re-establishes a broken watch.
-const WATCH_RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
-
-/// How often `run start --wait` reads the run's record besides watching it.
-const RUN_POLL: Duration = Duration::from_secs(2);
-
-/// The run's record if it has ended, read directly (any server of a cluster answers).
-async fn ended(kv: &async_nats::jetstream::kv::Store, run: &RunId) -> Option<RunRecord> {
-    let bytes = kv.get(run.as_str()).await.ok()??;
-    serde_json::from_slice::<RunRecord>(&bytes)
-        .ok()
-        .filter(|r| r.state.is_terminal())
-}
-
-/// The run's record once it has ended, from a watch of its key; `None` when the watch ends.
-async fn terminal(
-    watch: &mut async_nats::jetstream::kv::Watch,
-) -> anyhow::Result<Option<RunRecord>> {
-    while let Some(entry) = watch.next().await {
-        let entry = entry.context("run watch")?;
-        if let Ok(r) = serde_json::from_slice::<RunRecord>(&entry.value) {
-            if r.state.is_terminal() {
-                return Ok(Some(r));
-            }
-        }
-    }
-    Ok(None)
-}
-
 async fn start(
     client: &async_nats::Client,
     req: StartRun,
@@ -210,23 +178,14 @@ async fn start(
     json: bool,
 ) -> anyhow::Result<ExitCode> {
     // Watch before starting, so the outcome cannot slip by between the two.
-    let watched = match (&req.id, wait) {
+    let waiting = match (&req.id, wait) {
         (Some(id), true) => {
-            let js = async_nats::jetstream::new(client.clone());
-            let kv = js
-                .get_key_value(subjects::RUNS_BUCKET)
-                .await
-                .context("open runs bucket")?;
-            let watch = kv
-                .watch_with_history(id.as_str())
-                .await
-                .context("watch run")?;
-            Some((kv, watch))
+            Some(crate::wait::RecordWait::start(client, subjects::RUNS_BUCKET, id.as_str()).await?)
         }
         _ => None,
     };
     let rec: RunRecord = api::call(client, subj::RUNS_START, &req, API_TIMEOUT).await?;
-    let Some((kv, mut watch)) = watched else {
+    let Some(waiting) = waiting else {
         if json {
             println!("{}", serde_json::to_string(&rec)?);
         } else {
@@ -237,33 +196,7 @@ async fn start(
     if !json {
         println!("{}", rec.id);
     }
-    // A watch can break while the run goes on (its stream's leader moving to another server in
-    // a cluster): watch again, from the latest record, until the run has ended. A watch can
-    // also stall without saying so (its consumer lived on a server that died, and a cluster
-    // that lost a server may take minutes before it places a new one), so the record is also
-    // read directly every few seconds.
-    let mut delays = WATCH_RETRY.delays();
-    let mut poll = tokio::time::interval(RUN_POLL);
-    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let rec = loop {
-        let watched = tokio::select! {
-            w = terminal(&mut watch) => w,
-            _ = poll.tick() => match ended(&kv, &rec.id).await {
-                Some(r) => break r,
-                None => continue,
-            },
-        };
-        match watched {
-            Ok(Some(r)) => break r,
-            Ok(None) => eprintln!("run watch ended; watching {} again", rec.id),
-            Err(e) => eprintln!("run watch interrupted ({e:#}); watching {} again", rec.id),
-        }
-        delays.wait().await;
-        match kv.watch_with_history(rec.id.as_str()).await {
-            Ok(w) => watch = w,
-            Err(e) => eprintln!("watch run {} again: {e}", rec.id),
-        }
-    };
+    let rec = waiting.until(|r: &RunRecord| r.state.is_terminal()).await;
     if json {
         println!("{}", serde_json::to_string(&rec)?);
     }

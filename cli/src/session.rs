@@ -4,9 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::Subcommand;
-use futures::StreamExt;
 use turnstile_shared::api::{self, CreateSession, ListSessions, SendTurn, SessionRef, SessionView};
 use turnstile_shared::duration;
 use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord, TurnState};
@@ -206,17 +204,8 @@ async fn send(
 ) -> anyhow::Result<ExitCode> {
     let turn = TurnId::new();
     // Watch before sending, so the outcome cannot slip by between the two.
-    let watch = if wait {
-        let js = async_nats::jetstream::new(client.clone());
-        let kv = js
-            .get_key_value(subjects::TURNS_BUCKET)
-            .await
-            .context("open turns bucket")?;
-        Some(
-            kv.watch_with_history(turn.as_str())
-                .await
-                .context("watch turn")?,
-        )
+    let waiting = if wait {
+        Some(crate::wait::RecordWait::start(client, subjects::TURNS_BUCKET, turn.as_str()).await?)
     } else {
         None
     };
@@ -226,7 +215,7 @@ async fn send(
         turn: Some(turn.clone()),
     };
     let rec: TurnRecord = api::call(client, subj::SESSION_SEND, &req, API_TIMEOUT).await?;
-    let Some(mut watch) = watch else {
+    let Some(waiting) = waiting else {
         if json {
             println!("{}", serde_json::to_string(&rec)?);
         } else {
@@ -234,22 +223,9 @@ async fn send(
         }
         return Ok(ExitCode::SUCCESS);
     };
-    let outcome = tokio::time::timeout(timeout, async {
-        while let Some(entry) = watch.next().await {
-            let entry = entry.context("turn watch")?;
-            if let Ok(r) = serde_json::from_slice::<TurnRecord>(&entry.value) {
-                if r.state.is_terminal() {
-                    return Ok::<_, anyhow::Error>(Some(r));
-                }
-            }
-        }
-        Ok(None)
-    })
-    .await;
-    let rec = match outcome {
-        Ok(Ok(Some(r))) => r,
-        Ok(Ok(None)) => anyhow::bail!("turn watch ended before turn {turn} did"),
-        Ok(Err(e)) => return Err(e),
+    let ended = waiting.until(|r: &TurnRecord| r.state.is_terminal());
+    let rec = match tokio::time::timeout(timeout, ended).await {
+        Ok(r) => r,
         Err(_) => {
             eprintln!("turn {turn} still running after {timeout:?}");
             return Ok(ExitCode::from(3));

@@ -38,14 +38,40 @@ where
 }
 
 /// Pulls from `consumer` and spawns `handle` for each message until `shutdown`; an `Err` when
-/// the pull stream fails or ends (the caller resumes with [`until_shutdown`]). While a message
-/// is handled, its progress is acknowledged every `progress` (a third of the consumer's ack
-/// wait), so the ack wait can be short, and a dead replica's messages move soon, without
-/// slow handling being redelivered meanwhile.
+/// the pull stream fails or ends (the caller resumes with [`until_shutdown`]). The handler
+/// acks, and shows progress itself if it holds a message long.
 pub async fn each_message<H, Fut>(
     consumer: PullConsumer,
     shutdown: &CancellationToken,
-    progress: Duration,
+    handle: H,
+) -> Result<(), async_nats::Error>
+where
+    H: Fn(jetstream::Message) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    pull_each(consumer, shutdown, None, handle).await
+}
+
+/// Like [`each_message`], for a consumer whose ack wait is short so that a dead replica's
+/// messages move soon: while a handler runs, the message's progress is acked every third of
+/// the consumer's own ack wait, so slow handling is not redelivered meanwhile.
+pub async fn each_message_showing_progress<H, Fut>(
+    consumer: PullConsumer,
+    shutdown: &CancellationToken,
+    handle: H,
+) -> Result<(), async_nats::Error>
+where
+    H: Fn(jetstream::Message) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let every = (consumer.cached_info().config.ack_wait / 3).max(Duration::from_millis(100));
+    pull_each(consumer, shutdown, Some(every), handle).await
+}
+
+async fn pull_each<H, Fut>(
+    consumer: PullConsumer,
+    shutdown: &CancellationToken,
+    progress: Option<Duration>,
     handle: H,
 ) -> Result<(), async_nats::Error>
 where
@@ -60,45 +86,40 @@ where
             n = messages.next() => n,
         };
         match next {
-            Some(Ok(msg)) => {
-                let guard = ProgressGuard::start(&msg, progress);
-                let work = handle(msg);
-                tokio::spawn(async move {
-                    work.await;
-                    drop(guard);
-                });
-            }
+            Some(Ok(msg)) => match (progress, msg.reply.clone()) {
+                (Some(every), Some(reply)) => {
+                    let client = msg.context.client();
+                    tokio::spawn(with_progress(handle(msg), client, reply, every));
+                }
+                _ => {
+                    tokio::spawn(handle(msg));
+                }
+            },
             Some(Err(e)) => tracing::debug!(error = %e, "pull"),
             None => return Err("pull stream ended".into()),
         }
     }
 }
 
-/// Acknowledges a message's progress periodically until dropped (when its handler ends).
-struct ProgressGuard(Option<tokio::task::JoinHandle<()>>);
-
-impl ProgressGuard {
-    fn start(msg: &jetstream::Message, every: Duration) -> Self {
-        let Some(reply) = msg.reply.clone() else {
-            return Self(None);
-        };
-        let client = msg.context.client();
-        Self(Some(tokio::spawn(async move {
-            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            loop {
-                tick.tick().await;
-                if client.publish(reply.clone(), "+WIP".into()).await.is_err() {
-                    return;
+/// Runs `work`, acking the message's progress (`+WIP` to its reply subject) every `every`
+/// until it ends: in the handler's own task, so a message handled at once costs nothing more.
+async fn with_progress(
+    work: impl Future<Output = ()>,
+    client: async_nats::Client,
+    reply: async_nats::Subject,
+    every: Duration,
+) {
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            biased;
+            _ = &mut work => return,
+            _ = tick.tick() => {
+                if let Err(e) = client.publish(reply.clone(), "+WIP".into()).await {
+                    tracing::debug!(error = %e, "progress ack");
                 }
             }
-        })))
-    }
-}
-
-impl Drop for ProgressGuard {
-    fn drop(&mut self) {
-        if let Some(task) = self.0.take() {
-            task.abort();
         }
     }
 }

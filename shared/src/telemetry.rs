@@ -2,7 +2,8 @@
 
 use tokio_util::sync::CancellationToken;
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`). Safe to call twice.
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`), coloured only on a terminal (log
+/// files, `docker logs` and journald get plain text that tools can read). Safe to call twice.
 pub fn init() {
     init_with_default("info");
 }
@@ -14,6 +15,7 @@ pub fn init_with_default(default: &str) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 

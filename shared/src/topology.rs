@@ -54,11 +54,6 @@ impl TopologyConfig {
         (self.lane_ack_wait.min(self.transport_ack_wait) / 3).max(Duration::from_millis(200))
     }
 
-    /// How often a service handling a message of its queues shows progress.
-    pub fn service_progress_interval(&self) -> Duration {
-        (self.service_ack_wait / 3).max(Duration::from_millis(100))
-    }
-
     /// Pull requests must be renewed well within the pin TTL or the pin is lost between pulls.
     pub fn lane_pull_expiry(&self) -> Duration {
         (self.lane_pin_ttl / 3).max(Duration::from_secs(1))

@@ -18,7 +18,7 @@ use anyhow::Context as _;
 
 pub use nats::{nats_server_bin, NatsServer};
 pub use process::{bin_path, ServiceProcess};
-pub use wait::wait_until;
+pub use wait::{wait_lanes_pulled, wait_until};
 
 /// The workspace root: the parent of this crate's manifest directory.
 pub fn workspace_root() -> PathBuf {

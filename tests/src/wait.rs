@@ -50,6 +50,35 @@ where
     }
 }
 
+/// Waits until every session's lane consumer has at least `replicas` pull requests waiting
+/// (each session-lane replica keeps one on every lane): the moment a replica joined can be
+/// relied on, before a fault test kills the one holding the lanes.
+pub async fn wait_lanes_pulled(
+    js: &async_nats::jetstream::Context,
+    sessions: &[&turnstile_shared::SessionId],
+    replicas: usize,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    use turnstile_shared::subjects;
+    let lanes = js.get_stream_no_info(subjects::LANE_STREAM).await?;
+    for s in sessions {
+        let name = subjects::lane_consumer(s);
+        wait_until("every replica pulling on the lane", timeout, || {
+            let lanes = lanes.clone();
+            let name = name.clone();
+            async move {
+                let info = lanes
+                    .consumer_info(&name)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                Ok((info.num_waiting as usize >= replicas).then_some(()))
+            }
+        })
+        .await?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

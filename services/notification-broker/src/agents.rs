@@ -39,29 +39,19 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
 
 async fn launches(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
     let consumer = topology::ensure_agents_consumer(&ctx.js, &ctx.topology).await?;
-    consume::each_message(
-        consumer,
-        shutdown,
-        ctx.topology.service_progress_interval(),
-        |msg| {
-            let ctx = ctx.clone();
-            async move { launch(&ctx, msg).await }
-        },
-    )
+    consume::each_message_showing_progress(consumer, shutdown, |msg| {
+        let ctx = ctx.clone();
+        async move { launch(&ctx, msg).await }
+    })
     .await
 }
 
 async fn run_ends(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
     let consumer = topology::ensure_run_ends_consumer(&ctx.js, &ctx.topology).await?;
-    consume::each_message(
-        consumer,
-        shutdown,
-        ctx.topology.service_progress_interval(),
-        |msg| {
-            let ctx = ctx.clone();
-            async move { run_ended(&ctx, msg).await }
-        },
-    )
+    consume::each_message_showing_progress(consumer, shutdown, |msg| {
+        let ctx = ctx.clone();
+        async move { run_ended(&ctx, msg).await }
+    })
     .await
 }
 

@@ -20,15 +20,10 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
 
 async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
     let consumer = topology::ensure_runs_mirror_consumer(&ctx.js, &ctx.topology).await?;
-    consume::each_message(
-        consumer,
-        shutdown,
-        ctx.topology.service_progress_interval(),
-        |msg| {
-            let ctx = ctx.clone();
-            async move { handle(&ctx, msg).await }
-        },
-    )
+    consume::each_message_showing_progress(consumer, shutdown, |msg| {
+        let ctx = ctx.clone();
+        async move { handle(&ctx, msg).await }
+    })
     .await
 }
 

@@ -30,8 +30,7 @@ async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), asy
     let consumer =
         topology::ensure_transport_consumer(&ctx.js, &ctx.config.topology, &ctx.config.host)
             .await?;
-    let progress = ctx.config.topology.progress_interval();
-    consume::each_message(consumer, shutdown, progress, |msg| handle(ctx.clone(), msg)).await
+    consume::each_message(consumer, shutdown, |msg| handle(ctx.clone(), msg)).await
 }
 
 async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message) {

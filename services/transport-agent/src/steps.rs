@@ -37,12 +37,9 @@ async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), asy
     let consumer =
         topology::ensure_step_command_consumer(&ctx.js, &ctx.config.topology, &ctx.config.host)
             .await?;
-    consume::each_message(
-        consumer,
-        shutdown,
-        ctx.config.topology.progress_interval(),
-        |msg| handle(ctx.clone(), msg, shutdown.clone()),
-    )
+    consume::each_message(consumer, shutdown, |msg| {
+        handle(ctx.clone(), msg, shutdown.clone())
+    })
     .await
 }
 

@@ -180,17 +180,9 @@ async fn graceful(stack: &mut Stack) -> Result<()> {
         .and_then(|p| p.pid())
         .context("serving pid")?;
     crate::stack::signal(pid, rustix::process::Signal::TERM)?;
-    for t in &turns {
-        let rec = stack.wait_turn(t, Duration::from_secs(20)).await?;
-        ensure!(
-            matches!(
-                rec.state,
-                turnstile_shared::records::TurnState::Completed { .. }
-            ),
-            "{t}: {:?}",
-            rec.state
-        );
-    }
+    stack
+        .all_complete_within(&turns, Duration::from_secs(20))
+        .await?;
     stack.typed_exactly_once(&s, &texts).await?;
     ensure!(
         serial_turns(&stack.events().await?, &s)? == turns,
@@ -228,38 +220,6 @@ async fn server_of(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<Str
         .context("a started turn")
 }
 
-/// Waits until `replicas` pull requests wait on each session's lane (every replica keeps one).
-async fn wait_pulling(
-    stack: &Stack,
-    sessions: &[&turnstile_shared::SessionId],
-    replicas: usize,
-) -> Result<()> {
-    let lanes = stack
-        .js
-        .get_stream(turnstile_shared::subjects::LANE_STREAM)
-        .await?;
-    for s in sessions {
-        let name = turnstile_shared::subjects::lane_consumer(s);
-        wait_until(
-            "every replica pulling on the lane",
-            Duration::from_secs(20),
-            || {
-                let lanes = lanes.clone();
-                let name = name.clone();
-                async move {
-                    let info = lanes
-                        .consumer_info(&name)
-                        .await
-                        .map_err(|e| anyhow::anyhow!("{e}"))?;
-                    Ok((info.num_waiting as usize >= replicas).then_some(()))
-                }
-            },
-        )
-        .await?;
-    }
-    Ok(())
-}
-
 async fn killed_fast(stack: &mut Stack) -> Result<()> {
     // Both lanes take a first turn from `a` alone: `a` holds both pins.
     let idle = stack.create_session("idle", None).await?;
@@ -269,7 +229,8 @@ async fn killed_fast(stack: &mut Stack) -> Result<()> {
         stack.wait_turn(&warm, Duration::from_secs(20)).await?;
     }
     stack.spawn_lane("b")?;
-    wait_pulling(stack, &[&idle, &busy], 2).await?;
+    turnstile_tests::wait_lanes_pulled(&stack.js, &[&idle, &busy], 2, Duration::from_secs(20))
+        .await?;
     let texts: Vec<String> = (0..4).map(|i| format!("part {i}\n!sleep 500ms")).collect();
     let turns = stack.send_all(&busy, &texts).await?;
     stack.wait_running(&turns[1]).await?;
@@ -306,17 +267,11 @@ async fn killed_fast(stack: &mut Stack) -> Result<()> {
         }
     }
     // Well under the 60 s either timeout would take.
-    for t in turns.iter().chain(std::iter::once(&after)) {
-        let rec = stack.wait_turn(t, Duration::from_secs(15)).await?;
-        ensure!(
-            matches!(
-                rec.state,
-                turnstile_shared::records::TurnState::Completed { .. }
-            ),
-            "{t}: {:?}",
-            rec.state
-        );
-    }
+    let mut all = turns.clone();
+    all.push(after);
+    stack
+        .all_complete_within(&all, Duration::from_secs(15))
+        .await?;
     ensure!(
         server_of(stack, &idle).await? == "b",
         "the idle lane's turn was not served by the survivor"
@@ -417,5 +372,59 @@ async fn broker_killed_fast(stack: &mut Stack) -> Result<()> {
         "delivered {:?}",
         d[0].text
     );
+    Ok(())
+}
+
+/// A replica taken for dead that was only paused (SIGSTOP: a long GC-like stall or a
+/// partition) is fenced: the survivor serves its lanes meanwhile, and when the paused replica
+/// runs again it finds its liveness key gone and exits with an error instead of acking or
+/// giving back what the survivor now holds. No message is typed twice (R1, R14).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_paused_past_its_liveness_is_fenced_and_exits() -> Result<()> {
+    let slow = [
+        ("TURNSTILE_LANE_PIN_TTL", "60s"),
+        ("TURNSTILE_LANE_ACK_WAIT", "60s"),
+    ];
+    let mut stack = Stack::start_with(&["a"], &["h1"], &slow).await?;
+    let r = paused_fenced(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn paused_fenced(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("fenced", None).await?;
+    let warm = stack.send(&s, "warm-up\n!reply ok").await?;
+    stack.wait_turn(&warm, Duration::from_secs(20)).await?;
+    stack.spawn_lane("b")?;
+    turnstile_tests::wait_lanes_pulled(&stack.js, &[&s], 2, Duration::from_secs(20)).await?;
+    let texts = ["fence 0\n!sleep 2s", "fence 1\n!sleep 500ms"];
+    let turns = stack.send_all(&s, &texts).await?;
+    stack.wait_running(&turns[0]).await?;
+    let a = stack.lanes.get("a").and_then(|p| p.pid()).context("a")?;
+    crate::stack::signal(a, rustix::process::Signal::STOP)?;
+    stack
+        .all_complete_within(&turns, Duration::from_secs(15))
+        .await?;
+    ensure!(server_of(stack, &s).await? == "b", "b serves the lane");
+    crate::stack::signal(a, rustix::process::Signal::CONT)?;
+    let status = stack
+        .lanes
+        .get_mut("a")
+        .context("a")?
+        .wait_exit(Duration::from_secs(15))
+        .await?;
+    ensure!(!status.success(), "the fenced replica exited with {status}");
+    let said = stack
+        .lanes
+        .get("a")
+        .map(|p| std::fs::read_to_string(p.log_path()).unwrap_or_default())
+        .unwrap_or_default();
+    ensure!(
+        said.contains("taken for dead"),
+        "the fenced replica did not say why it stopped:\n{}",
+        said.lines().rev().take(40).collect::<Vec<_>>().join("\n")
+    );
+    let mut typed = vec!["warm-up\n!reply ok".to_string()];
+    typed.extend(texts.iter().map(|t| t.to_string()));
+    stack.typed_exactly_once(&s, &typed).await?;
     Ok(())
 }

@@ -751,8 +751,15 @@ pub fn count(transcript: &[String], message: &str) -> usize {
 impl Stack {
     /// Every turn ends `completed`.
     pub async fn all_complete(&self, turns: &[TurnId]) -> Result<()> {
+        self.all_complete_within(turns, Duration::from_secs(60))
+            .await
+    }
+
+    /// Every turn completes, each within `timeout` (a bound that tells a fast path from a
+    /// timeout's fallback).
+    pub async fn all_complete_within(&self, turns: &[TurnId], timeout: Duration) -> Result<()> {
         for t in turns {
-            let rec = self.wait_turn(t, Duration::from_secs(60)).await?;
+            let rec = self.wait_turn(t, timeout).await?;
             anyhow::ensure!(
                 matches!(
                     rec.state,
