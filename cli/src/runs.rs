@@ -14,6 +14,9 @@ use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::{RunId, SessionId};
 
 const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a start keeps retrying a request lost with a replica or a server (the run's id
+/// makes a repeat return the first attempt's run).
+const RETRY_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Run ceilings; an absent flag keeps the `RunLimits` default.
 #[derive(Args, Debug, Clone, Default)]
@@ -184,7 +187,8 @@ async fn start(
         }
         _ => None,
     };
-    let rec: RunRecord = api::call(client, subj::RUNS_START, &req, API_TIMEOUT).await?;
+    let rec: RunRecord =
+        api::call_idempotent(client, subj::RUNS_START, &req, API_TIMEOUT, RETRY_DEADLINE).await?;
     let Some(waiting) = waiting else {
         if json {
             println!("{}", serde_json::to_string(&rec)?);

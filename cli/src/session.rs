@@ -12,6 +12,9 @@ use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::{HostName, SessionId, TurnId};
 
 const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a create or send keeps retrying a request lost with a replica or a server (its
+/// id, chosen here, makes a repeat return the first attempt's session or turn).
+const RETRY_DEADLINE: Duration = Duration::from_secs(30);
 
 #[derive(Subcommand)]
 pub enum SessionCommand {
@@ -81,12 +84,18 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
                 name,
                 host,
                 cwd: cwd.map(|p| p.to_string_lossy().into_owned()),
-                id: None,
+                id: Some(SessionId::new()),
                 launch: None,
                 ready_timeout_ms: ready_timeout.map(|d| d.as_millis() as u64),
             };
-            let rec: SessionRecord =
-                api::call(&client, subj::SESSION_CREATE, &req, API_TIMEOUT).await?;
+            let rec: SessionRecord = api::call_idempotent(
+                &client,
+                subj::SESSION_CREATE,
+                &req,
+                API_TIMEOUT,
+                RETRY_DEADLINE,
+            )
+            .await?;
             if json {
                 println!("{}", serde_json::to_string(&rec)?);
             } else {
@@ -214,7 +223,14 @@ async fn send(
         text,
         turn: Some(turn.clone()),
     };
-    let rec: TurnRecord = api::call(client, subj::SESSION_SEND, &req, API_TIMEOUT).await?;
+    let rec: TurnRecord = api::call_idempotent(
+        client,
+        subj::SESSION_SEND,
+        &req,
+        API_TIMEOUT,
+        RETRY_DEADLINE,
+    )
+    .await?;
     let Some(waiting) = waiting else {
         if json {
             println!("{}", serde_json::to_string(&rec)?);

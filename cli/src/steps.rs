@@ -17,6 +17,9 @@ use turnstile_shared::subjects::api as subj;
 use turnstile_shared::{ExecutionId, StepId};
 
 const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a step start keeps retrying a lost request (the step's id makes a repeat return
+/// the first attempt's step): past a node cut off or a broker replica's death.
+const START_DEADLINE: Duration = Duration::from_secs(60);
 /// `--count` ceiling: one call starts at most this many steps.
 const MAX_COUNT: u32 = 10_000;
 
@@ -149,7 +152,14 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
                     let client = client.clone();
                     let subject = principal.steps(subj::START);
                     async move {
-                        api::call::<_, ExecutionRecord>(&client, &subject, &req, API_TIMEOUT).await
+                        api::call_idempotent::<_, ExecutionRecord>(
+                            &client,
+                            &subject,
+                            &req,
+                            API_TIMEOUT,
+                            START_DEADLINE,
+                        )
+                        .await
                     }
                 });
                 for r in futures::future::join_all(calls).await {

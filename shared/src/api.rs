@@ -196,6 +196,37 @@ pub async fn call<Req: Serialize, Resp: DeserializeOwned>(
     }
 }
 
+/// How an idempotent call is retried: a fresh attempt soon after a transient failure.
+const IDEMPOTENT_RETRY: crate::retry::Backoff =
+    crate::retry::Backoff::new(Duration::from_millis(250), Duration::from_secs(2));
+
+/// Calls a subject whose request is idempotent (it carries the id of what it creates, so a
+/// repeat returns the first attempt's result), retrying transient failures until `deadline`:
+/// each attempt waits at most `attempt` for its reply. A request lost with a server that was
+/// cut off, or sent to a service replica that died, is sent again instead of failing the
+/// caller; a refusal (bad request, not found, ...) is returned at once.
+pub async fn call_idempotent<Req: Serialize, Resp: DeserializeOwned>(
+    client: &async_nats::Client,
+    subject: &str,
+    request: &Req,
+    attempt: Duration,
+    deadline: Duration,
+) -> Result<Resp, ApiError> {
+    let until = tokio::time::Instant::now() + deadline;
+    let mut delays = IDEMPOTENT_RETRY.delays();
+    loop {
+        let left = until.saturating_duration_since(tokio::time::Instant::now());
+        let wait = attempt.min(left).max(Duration::from_millis(100));
+        match call(client, subject, request, wait).await {
+            Err(e) if e.code.is_transient() && tokio::time::Instant::now() < until => {
+                tracing::debug!(subject, error = %e, "idempotent call; retrying");
+                delays.wait().await;
+            }
+            other => return other,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
