@@ -125,7 +125,7 @@ pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
                 && !matches!(r.state, TurnState::Queued)
         })
         .await
-        .with_context(|| format!("the delivery of {step}"))?;
+        .with_context(|| format!("the delivery of {step} (step {} of {n})", i + 1))?;
         let (mut recorded, mut queued) = (None, None);
         let dispatched = loop {
             let msg = tokio::time::timeout(CALL, started.next())

@@ -82,6 +82,7 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
     let ms = |p: f64| (crate::percentile(&served, p) / 100.0).round() / 10.0;
     Ok(serde_json::json!({
         "sessions": sessions,
+        "replicas": d.replicas,
         "pin_ttl_s": 30,
         "lane_ack_wait_s": 30,
         "served_again_after_kill_ms": {

@@ -37,12 +37,14 @@ pub async fn measure(
     let many = create_sessions(&client, sessions).await?;
     transport.pause().await;
 
+    eprintln!("lanes: {single_turns} turns on one session");
     let single = queue(&js, &one, single_turns).await?;
     transport.resume()?;
     wait_all(&js, &single).await?;
     transport.pause().await;
     let handoff = handoffs(&records(&js, &single).await?);
 
+    eprintln!("lanes: {turns_each} turns on each of {sessions} sessions");
     let all = queue(&js, &many, turns_each).await?;
     let started = Instant::now();
     transport.resume()?;
@@ -160,10 +162,28 @@ pub(crate) async fn wait_all(js: &async_nats::jetstream::Context, turns: &[TurnI
     let mut watch = kv.watch_with_history(">").await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
     while !pending.is_empty() {
-        let entry = tokio::time::timeout_at(deadline, watch.next())
-            .await
-            .context("turns did not finish within 300 s")?
-            .context("watch ended")??;
+        let Ok(next) = tokio::time::timeout_at(deadline, watch.next()).await else {
+            let mut left: Vec<&String> = pending.iter().collect();
+            left.sort();
+            let mut states = Vec::new();
+            for t in left.iter().take(3) {
+                let state = match kv.get(t.as_str()).await {
+                    Ok(Some(b)) => serde_json::from_slice::<TurnRecord>(&b)
+                        .map(|r| format!("{:?}", r.state))
+                        .unwrap_or_else(|e| format!("unreadable: {e}")),
+                    Ok(None) => "no record".to_string(),
+                    Err(e) => format!("unreadable: {e}"),
+                };
+                states.push(format!("{t}: {state}"));
+            }
+            bail!(
+                "{} of {} turns did not finish within 300 s; {}",
+                pending.len(),
+                turns.len(),
+                states.join("; ")
+            );
+        };
+        let entry = next.context("watch ended")??;
         if let Ok(r) = serde_json::from_slice::<TurnRecord>(&entry.value) {
             if r.state.is_terminal() {
                 if !matches!(r.state, TurnState::Completed { .. }) {

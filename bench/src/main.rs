@@ -69,10 +69,10 @@ async fn main() -> Result<()> {
         }
         Some("failover") => {
             turnstile_shared::telemetry::init_with_default("warn");
-            return failover_bench(accounts, num(1, 1000)).await;
+            return failover_bench(accounts, cluster, num(1, 1000)).await;
         }
         _ => bail!(
-            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench floor [--auth | --replicas 3 [--sync always|default]] [ROUND_TRIPS=2000]\n       turnstile-bench failover [--auth] [SESSIONS=1000]"
+            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench floor [--auth | --replicas 3 [--sync always|default]] [ROUND_TRIPS=2000]\n       turnstile-bench failover [--auth | --replicas 3 [--sync always|default]] [SESSIONS=1000]"
         ),
     }
     turnstile_shared::telemetry::init_with_default("warn");
@@ -94,8 +94,10 @@ async fn main() -> Result<()> {
         ..Default::default()
     };
     turnstile_shared::topology::provision(&js, &topology).await?;
+    eprintln!("floor: 2000 round trips");
     let floor = floor::measure(&d, 2000).await?;
     let lanes = lanes::measure(&d, single, sessions, each).await?;
+    eprintln!("completions: {completions} steps");
     let completion = completions::measure(&d, completions).await?;
     let ratio_of = |v: &serde_json::Value, p: &str| {
         let a = v[p].as_f64().unwrap_or(f64::NAN);
@@ -125,10 +127,21 @@ async fn main() -> Result<()> {
 
 /// `turnstile-bench failover`: see `failover.rs`. Needs the `turnstile-session-lane` binary of
 /// the same build beside this one.
-async fn failover_bench(accounts: bool, sessions: usize) -> Result<()> {
-    let d = deployment::Deployment::start(accounts).await?;
+async fn failover_bench(
+    accounts: bool,
+    cluster: Option<cluster::Sync>,
+    sessions: usize,
+) -> Result<()> {
+    let d = match cluster {
+        Some(sync) => deployment::Deployment::start_cluster(sync).await?,
+        None => deployment::Deployment::start(accounts).await?,
+    };
     let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
-    turnstile_shared::topology::provision(&js, &Default::default()).await?;
+    let topology = turnstile_shared::topology::TopologyConfig {
+        replicas: d.replicas,
+        ..Default::default()
+    };
+    turnstile_shared::topology::provision(&js, &topology).await?;
     let figures = failover::measure(&d, sessions).await?;
     println!("{}", serde_json::to_string_pretty(&figures)?);
     Ok(())

@@ -39,6 +39,10 @@ pub enum KvError {
 pub struct Bucket {
     store: Store,
     name: String,
+    /// Reads go to the stream's leader: the bucket has several copies, and a direct get may be
+    /// answered by a follower that has not applied the latest acknowledged write yet (a record
+    /// just created would read as absent, seen on a three-node cluster).
+    leader_reads: bool,
 }
 
 /// What a compare-and-set closure decides for the current value.
@@ -49,9 +53,11 @@ pub enum Change<T> {
 
 impl Bucket {
     pub fn new(store: Store, name: &str) -> Self {
+        let leader_reads = store.stream.cached_info().config.num_replicas > 1;
         Self {
             store,
             name: name.to_string(),
+            leader_reads,
         }
     }
 
@@ -87,7 +93,16 @@ impl Bucket {
     }
 
     /// The value and its revision; `None` when absent or deleted.
+    ///
+    /// Read-your-writes: what this process (or any other) wrote and had acknowledged is seen,
+    /// also on a replicated bucket (see `leader_reads`).
     pub async fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<(T, u64)>, KvError> {
+        if self.leader_reads {
+            return match self.leader_get(key).await? {
+                Some((value, revision)) => Ok(Some((self.decode(key, &value)?, revision))),
+                None => Ok(None),
+            };
+        }
         let entry = self
             .store
             .entry(key)
@@ -99,6 +114,34 @@ impl Bucket {
             }
             _ => Ok(None),
         }
+    }
+
+    /// The key's last value and revision as the stream's leader holds it (`STREAM.MSG.GET`,
+    /// which only the leader answers); `None` when absent, deleted or purged.
+    async fn leader_get(&self, key: &str) -> Result<Option<(bytes::Bytes, u64)>, KvError> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        let subject = format!("{}{}", self.store.prefix, key);
+        let message = match self
+            .store
+            .stream
+            .get_last_raw_message_by_subject(&subject)
+            .await
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
+            Err(e) => return Err(self.nats("get", key, e)),
+        };
+        // A delete or purge is a marker message: the `KV-Operation` header (or, for a marker
+        // the server wrote, `Nats-Marker-Reason`) says so; a plain value carries neither.
+        let removed = message
+            .headers
+            .get("KV-Operation")
+            .is_some_and(|op| op.as_str() != "PUT")
+            || message.headers.get("Nats-Marker-Reason").is_some();
+        if removed {
+            return Ok(None);
+        }
+        Ok(Some((message.payload, message.sequence)))
     }
 
     pub async fn put<T: Serialize>(&self, key: &str, value: &T) -> Result<u64, KvError> {

@@ -306,6 +306,8 @@ fn transport(host: &HostName) -> Grant {
         subjects::HOSTS_BUCKET,
     ] {
         publish.push(format!("$JS.API.DIRECT.GET.KV_{bucket}.>"));
+        // Reads of a replicated bucket go to its leader (`kv::Bucket::get`).
+        publish.push(format!("$JS.API.STREAM.MSG.GET.KV_{bucket}"));
     }
     publish.extend([
         format!("$KV.{}.>", subjects::TURNS_BUCKET),

@@ -309,10 +309,20 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
                 parent: None,
                 state: TurnState::Queued,
             };
-            ctx.buckets.turns.create(key, &fresh).await?;
-            match ctx.buckets.turns.get::<TurnRecord>(key).await? {
-                Some(r) => r,
-                None => return Ok(()),
+            match ctx.buckets.turns.create(key, &fresh).await? {
+                Some(revision) => (fresh, revision),
+                // Created meanwhile by the lane (a redelivery): read what it wrote. Absent
+                // again means it was deleted between the two: retry, never drop the command.
+                None => ctx
+                    .buckets
+                    .turns
+                    .get::<TurnRecord>(key)
+                    .await?
+                    .ok_or_else(|| turnstile_shared::kv::KvError::Contended {
+                        bucket: subjects::TURNS_BUCKET.to_string(),
+                        key: key.to_string(),
+                        attempts: 1,
+                    })?,
             }
         }
     };

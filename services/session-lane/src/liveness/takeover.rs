@@ -5,10 +5,12 @@
 //! A survivor that claimed a dead instance reads those records and, for each lane still pinned
 //! to the dead instance, releases the pin and gives back the item it held in flight. With at
 //! most one item in flight per lane (`max_ack_pending` 1), that item is the last one the
-//! consumer delivered, so its acknowledgement subject can be written from the consumer's info.
+//! consumer delivered, so its acknowledgement subject can be written from the consumer's info
+//! (read for every lane at once, by listing the lane stream's consumers).
 //! The survivor's own waiting pull then gets the item, and the item kind's resume logic (R14)
 //! carries on from what the dead replica recorded.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_nats::jetstream::consumer::Info;
@@ -98,11 +100,21 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
             return;
         }
     };
+    // Every lane consumer's state in a few paged requests (256 a page), rather than one
+    // request per lane: the take-over's cost is mostly JetStream API round trips.
+    let infos = match lane_infos(&stream).await {
+        Ok(i) => Arc::new(i),
+        Err(e) => {
+            tracing::error!(%instance, error = %e, "list the lane consumers; a dead replica's lanes move after the pin TTL");
+            return;
+        }
+    };
     let moved = futures::stream::iter(pins)
         .map(|(key, pin)| {
             let ctx = ctx.clone();
             let stream = stream.clone();
-            async move { take_lane(&ctx, &stream, &key, &pin).await }
+            let infos = infos.clone();
+            async move { take_lane(&ctx, &stream, &infos, &key, &pin).await }
         })
         .buffer_unordered(CONCURRENCY)
         .filter(|moved| std::future::ready(*moved))
@@ -118,6 +130,7 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
 async fn take_lane(
     ctx: &Ctx,
     stream: &async_nats::jetstream::stream::Stream<()>,
+    infos: &HashMap<String, Info>,
     key: &str,
     pin: &str,
 ) -> bool {
@@ -129,12 +142,9 @@ async fn take_lane(
         return false;
     };
     let consumer = subjects::lane_consumer(&session);
-    let info = match stream.consumer_info(&consumer).await {
-        Ok(i) => i,
-        Err(e) => {
-            tracing::debug!(%session, error = %e, "take over lane: consumer info (session gone?)");
-            return false;
-        }
+    let Some(info) = infos.get(&consumer) else {
+        tracing::debug!(%session, "take over lane: no lane consumer (session gone?)");
+        return false;
     };
     let pinned = info
         .priority_groups
@@ -149,9 +159,22 @@ async fn take_lane(
         return false;
     }
     if info.num_ack_pending > 0 {
-        give_back_in_flight(ctx, &consumer, &info).await;
+        give_back_in_flight(ctx, &consumer, info).await;
     }
     true
+}
+
+/// The state of every consumer on the lane stream, by name.
+async fn lane_infos(
+    stream: &async_nats::jetstream::stream::Stream<()>,
+) -> Result<HashMap<String, Info>, async_nats::Error> {
+    let mut out = HashMap::new();
+    let mut list = stream.consumers();
+    while let Some(info) = list.next().await {
+        let info = info?;
+        out.insert(info.name.clone(), info);
+    }
+    Ok(out)
 }
 
 /// Naks the one item in flight on a lane consumer on behalf of its dead holder.
