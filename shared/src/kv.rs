@@ -1,7 +1,7 @@
 //! Typed JSON access to KV buckets with revision compare-and-set, so every record update is
 //! a read-modify-write that loses to a concurrent writer instead of overwriting it.
 
-use async_nats::jetstream::kv::{CreateErrorKind, Store, UpdateErrorKind};
+use async_nats::jetstream::kv::{Store, UpdateErrorKind};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -44,6 +44,18 @@ pub struct Bucket {
     /// just created would read as absent, seen on a three-node cluster).
     leader_reads: bool,
 }
+
+/// A key's last entry: a value, or the marker of its delete or purge, with its revision.
+enum Last {
+    Value(bytes::Bytes, u64),
+    Removed(u64),
+}
+
+/// How a create that failed for another reason than the key's revision is tried again.
+const WRITE_RETRY: crate::retry::Backoff = crate::retry::Backoff::new(
+    std::time::Duration::from_millis(100),
+    std::time::Duration::from_secs(1),
+);
 
 /// What a compare-and-set closure decides for the current value.
 pub enum Change<T> {
@@ -97,28 +109,26 @@ impl Bucket {
     /// Read-your-writes: what this process (or any other) wrote and had acknowledged is seen,
     /// also on a replicated bucket (see `leader_reads`).
     pub async fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<(T, u64)>, KvError> {
-        if self.leader_reads {
-            return match self.leader_get(key).await? {
-                Some((value, revision)) => Ok(Some((self.decode(key, &value)?, revision))),
-                None => Ok(None),
-            };
-        }
-        let entry = self
-            .store
-            .entry(key)
-            .await
-            .map_err(|e| self.nats("get", key, e))?;
-        match entry {
-            Some(e) if e.operation == async_nats::jetstream::kv::Operation::Put => {
-                Ok(Some((self.decode(key, &e.value)?, e.revision)))
-            }
+        match self.last(key).await? {
+            Some(Last::Value(value, revision)) => Ok(Some((self.decode(key, &value)?, revision))),
             _ => Ok(None),
         }
     }
 
-    /// The key's last value and revision as the stream's leader holds it (`STREAM.MSG.GET`,
-    /// which only the leader answers); `None` when absent, deleted or purged.
-    async fn leader_get(&self, key: &str) -> Result<Option<(bytes::Bytes, u64)>, KvError> {
+    /// The key's last entry: from the stream's leader on a replicated bucket (`STREAM.MSG.GET`,
+    /// which only the leader answers), else by direct get.
+    async fn last(&self, key: &str) -> Result<Option<Last>, KvError> {
+        if !self.leader_reads {
+            let entry = self
+                .store
+                .entry(key)
+                .await
+                .map_err(|e| self.nats("get", key, e))?;
+            return Ok(entry.map(|e| match e.operation {
+                async_nats::jetstream::kv::Operation::Put => Last::Value(e.value, e.revision),
+                _ => Last::Removed(e.revision),
+            }));
+        }
         use async_nats::jetstream::stream::LastRawMessageErrorKind;
         let subject = format!("{}{}", self.store.prefix, key);
         let message = match self
@@ -138,10 +148,11 @@ impl Bucket {
             .get("KV-Operation")
             .is_some_and(|op| op.as_str() != "PUT")
             || message.headers.get("Nats-Marker-Reason").is_some();
-        if removed {
-            return Ok(None);
-        }
-        Ok(Some((message.payload, message.sequence)))
+        Ok(Some(if removed {
+            Last::Removed(message.sequence)
+        } else {
+            Last::Value(message.payload, message.sequence)
+        }))
     }
 
     pub async fn put<T: Serialize>(&self, key: &str, value: &T) -> Result<u64, KvError> {
@@ -152,28 +163,52 @@ impl Bucket {
             .map_err(|e| self.nats("put", key, e))
     }
 
-    /// Writes only if the key does not exist; `Ok(None)` when it already did.
+    /// Writes only if the key does not exist (or was deleted); `Ok(None)` when it already did.
     ///
-    /// On a clustered bucket a lost create comes back as a sequence mismatch, and the read
-    /// that tells "exists" from "deleted" may be served by a replica that has not applied the
-    /// winner's write yet; the create is then tried again (bounded) until the read agrees.
+    /// A write refused for its expected revision means something is there: the current entry
+    /// (read from the leader on a replicated bucket) tells a value (`None`) from a delete
+    /// marker, which is written over at its revision. A write that fails otherwise (a stream
+    /// leader being elected, a node that just rejoined) is tried again, bounded.
     pub async fn create<T: Serialize>(&self, key: &str, value: &T) -> Result<Option<u64>, KvError> {
-        const ATTEMPTS: u64 = 5;
+        const ATTEMPTS: u32 = 6;
         let bytes = self.encode(key, value)?;
+        let mut delays = WRITE_RETRY.delays();
+        let mut expected = 0;
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match self.store.create(key, bytes.clone()).await {
+            let refused = match self.store.update(key, bytes.clone(), expected).await {
                 Ok(rev) => return Ok(Some(rev)),
-                Err(e) if e.kind() == CreateErrorKind::AlreadyExists => return Ok(None),
-                Err(e) if crate::js_codes::is_wrong_last_sequence(&e) => {
-                    if attempt >= ATTEMPTS {
-                        // The stream leader says a value is there; only the read lags.
-                        return Ok(None);
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(10 * attempt)).await;
+                Err(e)
+                    if e.kind() == UpdateErrorKind::WrongLastRevision
+                        || crate::js_codes::is_wrong_last_sequence(&e) =>
+                {
+                    None
                 }
-                Err(e) => return Err(self.nats("create", key, e)),
+                Err(e) => Some(e),
+            };
+            if attempt >= ATTEMPTS {
+                return match refused {
+                    Some(e) => Err(self.nats("create", key, e)),
+                    // The leader keeps saying something is there; only the read lags.
+                    None => Ok(None),
+                };
+            }
+            if let Some(e) = refused {
+                tracing::debug!(bucket = %self.name, key, error = %e, "create; retrying");
+                delays.wait().await;
+                continue;
+            }
+            match self.last(key).await {
+                Ok(Some(Last::Value(_, _))) => return Ok(None),
+                Ok(Some(Last::Removed(revision))) => expected = revision,
+                // Absent again: a follower's lagging read, or purged meanwhile.
+                Ok(None) => {
+                    expected = 0;
+                    delays.wait().await;
+                }
+                Err(e) if attempt + 1 >= ATTEMPTS => return Err(e),
+                Err(_) => delays.wait().await,
             }
         }
     }

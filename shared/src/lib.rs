@@ -40,6 +40,7 @@ pub mod kv;
 pub mod lane;
 pub mod names;
 pub mod permissions;
+pub mod policy;
 pub mod principal;
 pub mod private_file;
 pub mod records;

@@ -7,6 +7,7 @@
 //!   process whose output goes to a log file, for crash/restart tests.
 //! * [`wait_until`] — bounded polling for state that has no event to wait on.
 
+pub mod model;
 mod nats;
 mod process;
 mod wait;
