@@ -8,6 +8,8 @@ export NATS_SERVER_BIN="$PWD/.tools/bin/nats-server"
 # The official MCP Python SDK, the real client the `turnstile mcp` integration test drives.
 scripts/install-python-tools.sh
 export TURNSTILE_PYTHON="$PWD/.tools/venv/bin/python"
+# The real Claude Code and Codex CLIs the adapter tests drive (against a scripted model).
+scripts/install-agent-clis.sh
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings

@@ -81,6 +81,7 @@ pub async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Ve
             id: None,
             launch: None,
             ready_timeout_ms: None,
+            policy: None,
         };
         let mut tries = 0;
         let rec = loop {

@@ -33,6 +33,16 @@ pub enum SessionCommand {
         /// `--ready-timeout` when absent.
         #[arg(long, value_parser = duration::parse_flag)]
         ready_timeout: Option<Duration>,
+        /// What the agent may do without asking: a comma-separated list of `edits`, `shell`,
+        /// `network`, or `all` / `none` (default `edits,shell`). Anything else it tries is
+        /// refused at once and fails the turn `permission_denied`; the Turnstile tools are
+        /// always allowed.
+        #[arg(long)]
+        allow: Option<turnstile_shared::policy::Policy>,
+        /// One more allow rule of the CLI's own, as it spells them (Claude:
+        /// `--allow-tool 'Bash(git *)'`); repeatable.
+        #[arg(long = "allow-tool")]
+        allow_tool: Vec<String>,
         #[arg(long)]
         json: bool,
     },
@@ -50,6 +60,8 @@ pub enum SessionCommand {
     /// Queue a message as a turn; with --wait, exit 0 if it completed and 1 if it failed.
     Send {
         id: SessionId,
+        /// The message, verbatim (it may start with `-`).
+        #[arg(allow_hyphen_values = true)]
         text: String,
         #[arg(long)]
         wait: bool,
@@ -76,8 +88,18 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
             host,
             cwd,
             ready_timeout,
+            allow,
+            allow_tool,
             json,
         } => {
+            let policy = match (allow, allow_tool.is_empty()) {
+                (None, true) => None,
+                (allow, _) => {
+                    let mut p = allow.unwrap_or_default();
+                    p.tools = allow_tool;
+                    Some(p)
+                }
+            };
             let cwd = cwd.map(|p| std::path::absolute(&p).unwrap_or(p));
             let req = CreateSession {
                 agent,
@@ -87,6 +109,7 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
                 id: Some(SessionId::new()),
                 launch: None,
                 ready_timeout_ms: ready_timeout.map(|d| d.as_millis() as u64),
+                policy,
             };
             let rec: SessionRecord = api::call_idempotent(
                 &client,

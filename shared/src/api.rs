@@ -31,6 +31,10 @@ pub struct CreateSession {
     /// (R9); the transport's `--ready-timeout` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_timeout_ms: Option<u64>,
+    /// What the agent may do without asking; the default policy (edits and shell, no
+    /// network) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<crate::policy::Policy>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -72,6 +72,10 @@ pub struct SessionRecord {
     /// This session's R9 ready timeout, overriding the transport's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_timeout_ms: Option<u64>,
+    /// What the agent may do without asking (`policy.rs`); records written before it existed
+    /// read as the default.
+    #[serde(default)]
+    pub policy: crate::policy::Policy,
     #[serde(flatten)]
     pub state: SessionState,
 }
@@ -108,6 +112,12 @@ pub mod reason {
     pub const TRANSPORT_ERROR: &str = "transport_error";
     /// The agent answered the turn with an error result (e.g. Claude's `is_error`).
     pub const AGENT_ERROR: &str = "agent_error";
+    /// The CLI refused a tool call the session's permission policy does not allow; the turn's
+    /// detail lists what was refused.
+    pub const PERMISSION_DENIED: &str = "permission_denied";
+    /// The agent's CLI reported the Turnstile MCP server as not connected: its tools (steps,
+    /// runs) were unavailable to the turn.
+    pub const MCP_UNAVAILABLE: &str = "mcp_unavailable";
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

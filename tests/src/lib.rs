@@ -27,6 +27,23 @@ pub fn workspace_root() -> PathBuf {
     manifest.parent().unwrap_or(manifest).to_path_buf()
 }
 
+/// A real agent CLI (`claude`, `codex`): `$TURNSTILE_<NAME>_BIN`, else what
+/// `scripts/install-agent-clis.sh` put in `.tools/bin`. Missing is an error, never a skip: the
+/// suite proves the adapters against the real binaries.
+pub fn agent_cli(name: &str) -> anyhow::Result<PathBuf> {
+    let var = format!("TURNSTILE_{}_BIN", name.to_ascii_uppercase());
+    let bin = std::env::var_os(&var)
+        .filter(|b| !b.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".tools/bin").join(name));
+    anyhow::ensure!(
+        bin.is_file(),
+        "{} is missing: run scripts/install-agent-clis.sh (or set {var})",
+        bin.display()
+    );
+    Ok(bin)
+}
+
 /// A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, release it).
 ///
 /// Another process may take it before it is used; callers that spawn servers on it retry.

@@ -163,6 +163,7 @@ async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
         id: None,
         launch: None,
         ready_timeout_ms: None,
+        policy: None,
     };
     // The transport's first heartbeat may not be in yet.
     let mut session: Option<SessionRecord> = None;

@@ -120,6 +120,7 @@ async fn start_agent(ctx: &Ctx, item: &StepWorkItem) -> Result<(), AgentError> {
         id: Some(session.clone()),
         launch: None,
         ready_timeout_ms: None,
+        policy: Some(parent_session.policy.clone()),
     };
     let _: SessionRecord =
         api::call(&ctx.client, subjects::api::SESSION_CREATE, &create, API).await?;

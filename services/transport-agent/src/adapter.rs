@@ -20,6 +20,8 @@ pub struct SessionSpec {
     pub launch: Option<turnstile_shared::records::LaunchSpec>,
     /// The session's own ready timeout (R9), if it set one.
     pub ready_timeout: Option<Duration>,
+    /// What the agent may do without asking, mapped onto each CLI's flags.
+    pub policy: turnstile_shared::policy::Policy,
 }
 
 /// The agent is at its ready prompt.

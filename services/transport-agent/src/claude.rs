@@ -4,6 +4,17 @@
 //! The conversation id is read from the latest `system/init` or `result` event and given back
 //! with `--resume` when the process has to be started again (R9). The agent reaches Turnstile
 //! through `--mcp-config` (the session's `turnstile mcp` config, credentials included).
+//!
+//! Unattended: `--permission-mode dontAsk` with `--allowedTools` from the session's policy
+//! (the Turnstile MCP tools always), so a tool call outside the policy is refused at once,
+//! never left waiting; the result's `permission_denials` fail the turn `permission_denied`.
+//! No bypass mode is used, so running as root needs nothing special. Each turn's
+//! `system/init` reports the MCP servers' status: a `turnstile` server that is not
+//! `connected` fails the turn `mcp_unavailable`. A process that ends before it ever sent a
+//! `system/init` never started (a `--resume` of an unknown conversation reports so in its
+//! result's `errors`): `parent_transport_unavailable`, with the CLI's own text (R9). A turn
+//! that times out takes the process with it, so nothing of it can be read as the next
+//! turn's; the next turn resumes the conversation.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -16,6 +27,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin};
 use tokio::sync::{mpsc, Mutex as AsyncMutex};
+use turnstile_shared::policy::Policy;
 use turnstile_shared::records::reason;
 use turnstile_shared::{ConversationId, SessionId};
 
@@ -25,8 +37,11 @@ use crate::tail::{exit_status, Tail};
 
 /// Lines of stderr kept as evidence.
 const TAIL: usize = 20;
-/// How long a fresh process must stay up to count as started (a bad `--resume` exits at once).
+/// How long a fresh process must stay up to count as started (a bad `--resume` exits at once;
+/// a later exit before the turn's `system/init` is caught by the turn itself).
 const START_GRACE: Duration = Duration::from_millis(300);
+/// The MCP server name the session's config gives Turnstile (`credentials.rs`).
+const MCP_SERVER: &str = "turnstile";
 
 pub struct ClaudeAdapter {
     pub bin: PathBuf,
@@ -43,6 +58,9 @@ struct Proc {
     stderr: Tail,
     conversation: Option<ConversationId>,
     argv: Vec<String>,
+    /// The process has started a turn (sent a `system/init`) at least once: it is up. An
+    /// exit before that is a start-up failure; after it, a crash.
+    started: bool,
 }
 
 impl ClaudeAdapter {
@@ -76,8 +94,13 @@ impl ClaudeAdapter {
             argv.push("--resume".into());
             argv.push(c.to_string());
         }
-        argv.push("--mcp-config".into());
-        argv.push(files.mcp.to_string_lossy().into_owned());
+        // `=` keeps each list one argument: the CLI's list flags take every following word.
+        argv.push("--permission-mode=dontAsk".into());
+        argv.push(format!(
+            "--allowedTools={}",
+            allowed_tools(&spec.policy).join(",")
+        ));
+        argv.push(format!("--mcp-config={}", files.mcp.to_string_lossy()));
         argv
     }
 
@@ -138,6 +161,7 @@ impl ClaudeAdapter {
             events,
             stderr: tail,
             conversation: spec.conversation.clone(),
+            started: false,
             argv: std::iter::once(self.bin.to_string_lossy().into_owned())
                 .chain(argv)
                 .collect(),
@@ -147,6 +171,23 @@ impl ClaudeAdapter {
         }
         Ok(proc)
     }
+}
+
+/// Claude Code's tool rules for a policy: the Turnstile MCP server's tools always; reading
+/// (Read, Glob, Grep) is allowed by the CLI itself in the session's directory.
+pub(crate) fn allowed_tools(policy: &Policy) -> Vec<String> {
+    let mut tools = vec![format!("mcp__{MCP_SERVER}")];
+    if policy.edits {
+        tools.extend(["Edit", "MultiEdit", "Write", "NotebookEdit"].map(String::from));
+    }
+    if policy.shell {
+        tools.push("Bash".into());
+    }
+    if policy.network {
+        tools.extend(["WebFetch", "WebSearch"].map(String::from));
+    }
+    tools.extend(policy.tools.iter().cloned());
+    tools
 }
 
 fn unavailable(detail: String, last_lines: Vec<String>) -> Unavailable {
@@ -172,15 +213,22 @@ async fn turn(proc: &mut Proc, text: &str, timeout: Duration) -> TurnEnd {
     }
     let deadline = tokio::time::Instant::now() + timeout;
     let mut said: Vec<String> = Vec::new();
+    let mut mcp_trouble: Option<String> = None;
     loop {
         let event = match tokio::time::timeout_at(deadline, proc.events.recv()).await {
             Err(_) => {
+                // The process goes with the turn: nothing it says later can pass for the
+                // next turn's; the next turn resumes the conversation.
+                let _ = proc.child.start_kill();
                 return TurnEnd::Failed {
                     reason: reason::TURN_TIMEOUT,
-                    detail: format!("no result within {timeout:?}"),
+                    detail: format!("no result within {timeout:?}; the claude process was stopped"),
                     output: said,
-                }
+                };
             }
+            // (Its stdout is a pipe, so a process killed mid-turn may never flush this turn's
+            // `system/init`: whether it ever started one tells a crash from a failed start.)
+            Ok(None) if !proc.started => return not_started(proc, Vec::new()).await,
             Ok(None) => {
                 return exited(proc, "its output ended before the turn's result".into()).await
             }
@@ -190,39 +238,139 @@ async fn turn(proc: &mut Proc, text: &str, timeout: Duration) -> TurnEnd {
             proc.conversation = Some(c);
         }
         match event.get("type").and_then(Value::as_str) {
-            Some("assistant") => said.extend(text_of(&event)),
-            Some("result") => {
-                let result = event
-                    .get("result")
-                    .and_then(Value::as_str)
-                    .map(str::to_string);
-                let is_error = event
-                    .get("is_error")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false);
-                let subtype = event
-                    .get("subtype")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_string();
-                let mut output = said;
-                if let Some(r) = result {
-                    output.extend(r.lines().map(str::to_string));
-                }
-                let skip = output.len().saturating_sub(TAIL);
-                let output: Vec<String> = output.into_iter().skip(skip).collect();
-                return if is_error || subtype != "success" {
-                    TurnEnd::Failed {
-                        reason: reason::AGENT_ERROR,
-                        detail: format!("claude result {subtype:?} (is_error: {is_error})"),
-                        output,
-                    }
-                } else {
-                    TurnEnd::Completed { output }
-                };
+            Some("system") if event.get("subtype").and_then(Value::as_str) == Some("init") => {
+                proc.started = true;
+                mcp_trouble = mcp_status(&event);
             }
+            Some("assistant") => said.extend(text_of(&event)),
+            Some("result") if !proc.started => {
+                return not_started(proc, strings(event.get("errors"))).await;
+            }
+            Some("result") => return outcome(&event, said, mcp_trouble),
             _ => {}
         }
+    }
+}
+
+/// The turn's end from its `result` event: an error result, then refused tool calls, then an
+/// unavailable Turnstile MCP server fail it; otherwise it completed.
+fn outcome(event: &Value, said: Vec<String>, mcp_trouble: Option<String>) -> TurnEnd {
+    let is_error = event
+        .get("is_error")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let subtype = event
+        .get("subtype")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let mut output = said;
+    if let Some(r) = event.get("result").and_then(Value::as_str) {
+        output.extend(r.lines().map(str::to_string));
+    }
+    output.extend(strings(event.get("errors")));
+    let skip = output.len().saturating_sub(TAIL);
+    let output: Vec<String> = output.into_iter().skip(skip).collect();
+    if is_error || subtype != "success" {
+        return TurnEnd::Failed {
+            reason: reason::AGENT_ERROR,
+            detail: format!("claude result {subtype:?} (is_error: {is_error})"),
+            output,
+        };
+    }
+    let denied = denials(event);
+    if !denied.is_empty() {
+        return TurnEnd::Failed {
+            reason: reason::PERMISSION_DENIED,
+            detail: format!(
+                "claude refused {} tool call(s) the session's policy does not allow: {}",
+                denied.len(),
+                denied.join("; ")
+            ),
+            output,
+        };
+    }
+    if let Some(status) = mcp_trouble {
+        return TurnEnd::Failed {
+            reason: reason::MCP_UNAVAILABLE,
+            detail: format!(
+                "claude reported the {MCP_SERVER} MCP server {status}: its tools were unavailable to this turn"
+            ),
+            output,
+        };
+    }
+    TurnEnd::Completed { output }
+}
+
+/// The Turnstile server's status in a `system/init` event when it is not `connected`.
+fn mcp_status(init: &Value) -> Option<String> {
+    let servers = init.get("mcp_servers").and_then(Value::as_array);
+    let status = servers
+        .and_then(|list| {
+            list.iter()
+                .find(|s| s.get("name").and_then(Value::as_str) == Some(MCP_SERVER))
+        })
+        .map(|s| {
+            s.get("status")
+                .and_then(Value::as_str)
+                .unwrap_or("unknown")
+                .to_string()
+        });
+    match status {
+        Some(s) if s == "connected" => None,
+        Some(s) => Some(format!("as {s:?}")),
+        None => Some("missing".to_string()),
+    }
+}
+
+/// `tool (input)` for each of a result's `permission_denials`.
+fn denials(result: &Value) -> Vec<String> {
+    result
+        .get("permission_denials")
+        .and_then(Value::as_array)
+        .map(|list| {
+            list.iter()
+                .map(|d| {
+                    let tool = d.get("tool_name").and_then(Value::as_str).unwrap_or("?");
+                    let input = d
+                        .get("tool_input")
+                        .map(Value::to_string)
+                        .unwrap_or_default();
+                    let input: String = input.chars().take(200).collect();
+                    format!("{tool} {input}")
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn strings(v: Option<&Value>) -> Vec<String> {
+    v.and_then(Value::as_array)
+        .map(|list| {
+            list.iter()
+                .filter_map(Value::as_str)
+                .flat_map(|s| s.lines().map(str::to_string).collect::<Vec<_>>())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The process ended before it started the turn: it never started (or resumed), whatever
+/// it printed first (R9). Its own errors and stderr are the evidence.
+async fn not_started(proc: &mut Proc, errors: Vec<String>) -> TurnEnd {
+    let status = exit_status(&mut proc.child).await;
+    let mut output = errors;
+    output.extend(proc.stderr.lines().await);
+    let skip = output.len().saturating_sub(TAIL);
+    let output: Vec<String> = output.into_iter().skip(skip).collect();
+    let first = output.first().cloned().unwrap_or_default();
+    TurnEnd::Failed {
+        reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
+        detail: format!(
+            "`{}` did not start the turn (exit {status}): {first}",
+            proc.argv.join(" ")
+        ),
+        output,
     }
 }
 
@@ -259,7 +407,9 @@ impl Adapter for ClaudeAdapter {
         Box::pin(async move {
             if let Some(p) = self.get(&spec.id) {
                 let mut proc = p.lock().await;
-                if matches!(proc.child.try_wait(), Ok(None)) {
+                // Alive: not reaped as exited, and its stdout still open (a process killed a
+                // moment ago may not be waitable yet, but its pipe is closed at once).
+                if matches!(proc.child.try_wait(), Ok(None)) && !proc.events.is_closed() {
                     return Ok(Ready {
                         conversation: proc
                             .conversation

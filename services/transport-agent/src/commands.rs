@@ -113,6 +113,7 @@ async fn spec_for(ctx: &Ctx, session: &SessionId) -> Option<(SessionSpec, bool)>
         token: record.token,
         launch: record.launch,
         ready_timeout: record.ready_timeout_ms.map(Duration::from_millis),
+        policy: record.policy,
     };
     if active {
         if let Ok(mut map) = ctx.sessions.lock() {

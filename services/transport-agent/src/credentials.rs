@@ -108,6 +108,7 @@ mod tests {
             token: "tok_s3cret".into(),
             launch: None,
             ready_timeout: None,
+            policy: Default::default(),
         };
         let files = SessionFiles::at(&dir, &spec);
         files

@@ -5,6 +5,7 @@ mod adapters;
 mod agents;
 mod bad_input;
 mod children;
+mod claude;
 mod delivery;
 mod deployed;
 mod dev;

@@ -386,14 +386,6 @@ impl Stack {
             ("TURNSTILE_HOST_TTL", "3s".to_string()),
             ("RUST_LOG", "info,async_nats=warn".to_string()),
             (
-                "FAKE_CLAUDE_STATE",
-                self.dir
-                    .path()
-                    .join("fake-claude")
-                    .to_string_lossy()
-                    .into_owned(),
-            ),
-            (
                 "FAKE_CODEX_STATE",
                 self.dir
                     .path()
@@ -459,7 +451,12 @@ impl Stack {
             "--ready-timeout".to_string(),
             "20s".to_string(),
             "--claude-bin".to_string(),
-            bin_path("fake-claude")?.to_string_lossy().into_owned(),
+            self.override_of("TURNSTILE_CLAUDE_BIN")
+                .map(PathBuf::from)
+                .or_else(|| turnstile_tests::agent_cli("claude").ok())
+                .unwrap_or_else(|| PathBuf::from("claude"))
+                .to_string_lossy()
+                .into_owned(),
             "--codex-bin".to_string(),
             bin_path("fake-codex")?.to_string_lossy().into_owned(),
         ];
@@ -472,6 +469,14 @@ impl Stack {
         )?;
         self.transports.insert(host.to_string(), p);
         Ok(())
+    }
+
+    /// The value a test gave `name` among the services' environment overrides.
+    fn override_of(&self, name: &str) -> Option<String> {
+        self.overrides
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
     }
 
     pub fn mock_dir(&self) -> PathBuf {
@@ -512,7 +517,13 @@ impl Stack {
             id: None,
             launch: None,
             ready_timeout_ms: None,
+            policy: None,
         };
+        self.create_session_with(req).await
+    }
+
+    /// Creates a session as `req` says, waiting for a transport host to heartbeat first.
+    pub async fn create_session_with(&self, req: CreateSession) -> Result<SessionId> {
         let rec: SessionRecord = wait_until("session create", Duration::from_secs(20), || {
             let req = req.clone();
             async move {

@@ -116,6 +116,7 @@ pub(super) async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionR
         conversation: None,
         launch: req.launch.clone(),
         ready_timeout_ms: req.ready_timeout_ms,
+        policy: req.policy.clone().unwrap_or_default(),
         state: SessionState::Active,
     };
     // The consumer first: a replica that sees the record starts pulling from it at once.

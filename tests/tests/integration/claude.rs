@@ -1,0 +1,335 @@
+//! The `claude` adapter against the real Claude Code CLI (installed by
+//! `scripts/install-agent-clis.sh`), its model replaced by the scripted Messages API server:
+//! text turns, a shell command that writes a file, the Turnstile `start_step` tool with the
+//! step's result delivered in the next turn (R3, R4), a message that starts with `-`, a
+//! directory that is not a git repository, a tool call the session's policy refuses, a resume
+//! of an unknown conversation, and the CLI killed mid-turn.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use serde_json::json;
+use turnstile_shared::api::CreateSession;
+use turnstile_shared::policy::Policy;
+use turnstile_shared::records::{AgentKind, TurnRecord, TurnState};
+use turnstile_shared::SessionId;
+use turnstile_tests::model::{self, Api, ModelServer, Reply};
+
+use crate::stack::{report, Stack};
+
+const TURN: Duration = Duration::from_secs(60);
+
+/// The stack with its transport running the real `claude` against `model`, in a config
+/// directory of the test's own (no login, no updates, no telemetry).
+async fn stack_for(model: &ModelServer, dir: &Path) -> Result<Stack> {
+    let claude = turnstile_tests::agent_cli("claude")?;
+    let config = dir.join("claude-config");
+    std::fs::create_dir_all(&config)?;
+    let env = [
+        (
+            "TURNSTILE_CLAUDE_BIN",
+            claude.to_string_lossy().into_owned(),
+        ),
+        ("ANTHROPIC_BASE_URL", model.url().to_string()),
+        ("ANTHROPIC_API_KEY", "scripted".to_string()),
+        ("CLAUDE_CONFIG_DIR", config.to_string_lossy().into_owned()),
+        ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".to_string()),
+        ("CLAUDE_CODE_MAX_RETRIES", "0".to_string()),
+    ];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    Stack::start_with(&["a"], &["h1"], &env).await
+}
+
+async fn session(
+    stack: &Stack,
+    name: &str,
+    cwd: &Path,
+    policy: Option<Policy>,
+) -> Result<SessionId> {
+    stack
+        .create_session_with(CreateSession {
+            agent: AgentKind::Claude,
+            name: name.to_string(),
+            host: None,
+            cwd: Some(cwd.to_string_lossy().into_owned()),
+            id: None,
+            launch: None,
+            ready_timeout_ms: None,
+            policy,
+        })
+        .await
+}
+
+fn completed(r: &TurnRecord) -> Result<&[String]> {
+    match &r.state {
+        TurnState::Completed { output, .. } => Ok(output),
+        other => bail!("turn {} did not complete: {other:?}", r.id),
+    }
+}
+
+fn failed(r: &TurnRecord) -> Result<(&str, &str, &[String])> {
+    match &r.state {
+        TurnState::Failed {
+            reason,
+            detail,
+            output,
+            ..
+        } => Ok((reason, detail, output)),
+        other => bail!("turn {} did not fail: {other:?}", r.id),
+    }
+}
+
+/// A fresh working directory that is not a git repository.
+fn workdir(stack: &Stack, name: &str) -> Result<PathBuf> {
+    let dir = stack.dir.path().join(name);
+    std::fs::create_dir_all(&dir)?;
+    ensure!(!dir.join(".git").exists());
+    Ok(dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_runs_text_shell_and_step_turns_verbatim_in_any_directory() -> Result<()> {
+    let model = ModelServer::start(Api::Messages).await?;
+    let dir = tempfile::tempdir()?;
+    let mut stack = stack_for(&model, dir.path()).await?;
+    let r = turns(&mut stack, &model).await;
+    report(&stack, r)
+}
+
+async fn turns(stack: &mut Stack, model: &ModelServer) -> Result<()> {
+    let cwd = workdir(stack, "plain-dir")?;
+    let s = session(stack, "claude-turns", &cwd, None).await?;
+
+    // A text reply, to a message that starts with `-` and holds quotes and a newline: it
+    // reaches the model verbatim.
+    let text = "-v --help \"quoted\" 'single'\nsecond line";
+    model.push(Reply::text("hello from the model"));
+    let t1 = stack.send(&s, text).await?;
+    let r1 = stack.wait_turn(&t1, TURN).await?;
+    ensure!(
+        completed(&r1)?.iter().any(|l| l == "hello from the model"),
+        "{:?}",
+        r1.state
+    );
+    let sent = model.requests();
+    let first = sent.first().context("a model request")?;
+    ensure!(
+        model::user_texts(first).iter().any(|t| t == text),
+        "the message reached the model verbatim: {:?}",
+        model::user_texts(first)
+    );
+
+    // A shell command that writes a file in the session's directory.
+    model.push(Reply::tool(
+        "Bash",
+        json!({"command": "echo made-by-claude > made.txt", "description": "write a file"}),
+    ));
+    model.push(Reply::text("wrote it"));
+    let t2 = stack.send(&s, "write the file").await?;
+    completed(&stack.wait_turn(&t2, TURN).await?)?;
+    let made = std::fs::read_to_string(cwd.join("made.txt")).context("made.txt")?;
+    ensure!(made.trim() == "made-by-claude", "{made:?}");
+
+    // The Turnstile start_step tool: the step runs on the host, and its result is handed over
+    // in the next turn, typed into the same conversation (R3, R4).
+    model.push(Reply::tool(
+        "mcp__turnstile__start_step",
+        json!({"name": "bg-build", "command": ["sh", "-c", "echo built"], "scope": "detached"}),
+    ));
+    model.push(Reply::text("started it"));
+    let t3 = stack.send(&s, "start a background build").await?;
+    completed(&stack.wait_turn(&t3, TURN).await?)?;
+    let started = model
+        .requests()
+        .iter()
+        .flat_map(model::tool_results)
+        .find(|r| r.contains("started step"))
+        .context("start_step answered the model")?;
+    ensure!(started.contains("bg-build"), "{started}");
+    // The delivery turn: the model sees the step's result as a user message.
+    turnstile_tests::wait_until("the step's result reaches the model", TURN, || async {
+        Ok(model
+            .requests()
+            .iter()
+            .flat_map(model::user_texts)
+            .any(|t| t.contains("bg-build") && t.contains("completed"))
+            .then_some(()))
+    })
+    .await?;
+    // One conversation throughout, resumed by id.
+    let record = stack.session_record(&s).await?;
+    ensure!(
+        record.conversation.is_some(),
+        "the conversation id was learnt"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_refusals_bad_resumes_and_kills_end_turns_with_the_clis_own_evidence() -> Result<()>
+{
+    let model = ModelServer::start(Api::Messages).await?;
+    let dir = tempfile::tempdir()?;
+    let mut stack = stack_for(&model, dir.path()).await?;
+    let r = failures(&mut stack, &model, dir.path()).await;
+    report(&stack, r)
+}
+
+async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<()> {
+    // A tool call the policy does not allow: refused at once, and the turn says so.
+    let cwd = workdir(stack, "no-shell")?;
+    let s = session(stack, "claude-refused", &cwd, Some(Policy::none())).await?;
+    model.push(Reply::tool(
+        "Bash",
+        json!({"command": "touch refused.txt", "description": "try"}),
+    ));
+    model.push(Reply::text("I could not"));
+    let t = stack.send(&s, "try the shell").await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, _) = failed(&r)?;
+    ensure!(reason == "permission_denied", "{reason}: {detail}");
+    ensure!(
+        detail.contains("Bash") && detail.contains("touch refused.txt"),
+        "{detail}"
+    );
+    ensure!(!cwd.join("refused.txt").exists(), "the refused command ran");
+
+    // The CLI killed mid-turn (its model still thinking): `agent_exited`, with its exit.
+    let cwd = workdir(stack, "killed")?;
+    let s = session(stack, "claude-killed", &cwd, None).await?;
+    model.push(Reply::text("first"));
+    let t = stack.send(&s, "hello").await?;
+    completed(&stack.wait_turn(&t, TURN).await?)?;
+    let before = model.requests().len();
+    model.push(Reply::Stall);
+    let t = stack.send(&s, "think hard").await?;
+    turnstile_tests::wait_until("the stalled model request", TURN, || async {
+        Ok((model.requests().len() > before).then_some(()))
+    })
+    .await?;
+    kill(&s).await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, _) = failed(&r)?;
+    ensure!(reason == "agent_exited", "{reason}: {detail}");
+    ensure!(detail.contains("exit"), "{detail}");
+    // The next turn resumes the conversation in a new process.
+    model.push(Reply::text("back again"));
+    let t = stack.send(&s, "still there?").await?;
+    let out = stack.wait_turn(&t, TURN).await?;
+    ensure!(
+        completed(&out)?.iter().any(|l| l == "back again"),
+        "{:?}",
+        out.state
+    );
+    let conversation = stack
+        .session_record(&s)
+        .await?
+        .conversation
+        .context("the conversation id")?;
+    let resumed = model
+        .requests()
+        .last()
+        .map(model::user_texts)
+        .unwrap_or_default();
+    ensure!(
+        resumed.iter().any(|t| t == "hello"),
+        "the resumed conversation holds the first message: {resumed:?}"
+    );
+
+    // A resume of a conversation the CLI no longer knows (its state wiped while the process
+    // was down): the turn fails as a start-up failure, with the CLI's own words. The process
+    // is taken down mid-turn, so the transport has seen it end before the next turn.
+    model.push(Reply::Stall);
+    let before = model.requests().len();
+    let t = stack.send(&s, "think again").await?;
+    turnstile_tests::wait_until("the second stalled model request", TURN, || async {
+        Ok((model.requests().len() > before).then_some(()))
+    })
+    .await?;
+    kill(&s).await?;
+    failed(&stack.wait_turn(&t, TURN).await?)?;
+    let projects = dir.join("claude-config").join("projects");
+    for f in walk(&projects)? {
+        if f.to_string_lossy().contains(&conversation.to_string()) {
+            std::fs::remove_file(&f)?;
+        }
+    }
+    let t = stack.send(&s, "are you there").await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, output) = failed(&r)?;
+    ensure!(
+        reason == "parent_transport_unavailable",
+        "{reason}: {detail}"
+    );
+    let evidence = format!("{detail}\n{}", output.join("\n"));
+    ensure!(
+        evidence.contains("No conversation found") && evidence.contains(&conversation.to_string()),
+        "{evidence}"
+    );
+    Ok(())
+}
+
+/// SIGKILLs the claude process serving `session` and waits until it is dead (a zombie or
+/// gone), so the next turn finds it dead rather than racing the signal.
+async fn kill(session: &SessionId) -> Result<()> {
+    let pid = claude_pid(session)?;
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL)?;
+    let stat = format!("/proc/{}/stat", pid.as_raw_nonzero().get());
+    turnstile_tests::wait_until("the killed claude to die", TURN, || {
+        let stat = stat.clone();
+        async move {
+            Ok(match std::fs::read_to_string(&stat) {
+                // `pid (comm) STATE ...`: the state follows the last `)`.
+                Ok(s) => s
+                    .rsplit(')')
+                    .next()
+                    .and_then(|rest| rest.split_whitespace().next())
+                    .filter(|state| *state == "Z" || *state == "X")
+                    .map(|_| ()),
+                Err(_) => Some(()),
+            })
+        }
+    })
+    .await
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let p = e?.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The claude process serving `session` (its command line names the session's MCP config).
+fn claude_pid(session: &SessionId) -> Result<rustix::process::Pid> {
+    let needle = format!("{session}.mcp.json");
+    for entry in std::fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.contains(&needle) && cmdline.contains("stream-json") {
+            return rustix::process::Pid::from_raw(pid).context("a pid");
+        }
+    }
+    bail!("no claude process for {session}")
+}
