@@ -40,6 +40,9 @@ pub enum Reply {
     },
     /// No answer at all until the client goes away (a model that is still thinking).
     Stall,
+    /// The API refuses the request: HTTP 400 with this message in each API's error shape;
+    /// retries are refused too, until the next reply is queued.
+    Refuse(String),
 }
 
 impl Reply {
@@ -107,9 +110,13 @@ impl ModelServer {
         &self.url
     }
 
-    /// Queues the next reply (replies are served in order, one per model request).
+    /// Queues the next reply (replies are served in order, one per model request; a
+    /// [`Reply::Refuse`] answers every request until the next reply is queued).
     pub fn push(&self, reply: Reply) {
         if let Ok(mut s) = self.state.lock() {
+            if matches!(s.script.front(), Some(Reply::Refuse(_))) {
+                s.script.pop_front();
+            }
             s.script.push_back(reply);
         }
     }
@@ -224,12 +231,32 @@ async fn serve(api: Api, mut conn: TcpStream, state: Arc<Mutex<State>>) -> Resul
             .map_err(|_| anyhow::anyhow!("model server state poisoned"))?;
         s.requests.push(request);
         s.served += 1;
-        (
-            s.script.pop_front().unwrap_or_else(|| Reply::text("ok")),
-            s.served,
-        )
+        // A refusal stays until the next reply is queued: the CLIs retry a refused request
+        // (Claude Code several times, even with its retries off).
+        let reply = match s.script.front() {
+            Some(Reply::Refuse(m)) => Reply::Refuse(m.clone()),
+            _ => s.script.pop_front().unwrap_or_else(|| Reply::text("ok")),
+        };
+        (reply, s.served)
     };
     let events = match (&reply, api) {
+        (Reply::Refuse(message), _) => {
+            let body = match api {
+                Api::Messages => {
+                    json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}})
+                }
+                Api::Responses => {
+                    json!({"error": {"type": "invalid_request_error", "code": "invalid_request", "message": message}})
+                }
+            };
+            return respond_status(
+                &mut conn,
+                "400 Bad Request",
+                "application/json",
+                body.to_string().as_bytes(),
+            )
+            .await;
+        }
         (Reply::Stall, _) => {
             // Hold the connection until the CLI gives up or is killed.
             let mut sink = [0u8; 1024];
@@ -319,8 +346,17 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 async fn respond(conn: &mut TcpStream, content_type: &str, body: &[u8]) -> Result<()> {
+    respond_status(conn, "200 OK", content_type, body).await
+}
+
+async fn respond_status(
+    conn: &mut TcpStream,
+    status: &str,
+    content_type: &str,
+    body: &[u8],
+) -> Result<()> {
     let head = format!(
-        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
         body.len()
     );
     conn.write_all(head.as_bytes()).await?;
@@ -354,7 +390,7 @@ fn messages_events(reply: &Reply, n: u64) -> String {
             json!({"type": "text_delta", "text": t}),
             "end_turn",
         ),
-        Reply::Stall => return String::new(),
+        Reply::Stall | Reply::Refuse(_) => return String::new(),
     };
     sse(&[
         ("message_start", start),
@@ -396,7 +432,7 @@ fn responses_events(reply: &Reply, n: u64) -> String {
             }
             item
         }
-        Reply::Stall => return String::new(),
+        Reply::Stall | Reply::Refuse(_) => return String::new(),
     };
     let id = format!("resp_{n}");
     sse(&[

@@ -367,7 +367,7 @@ async fn not_started(proc: &mut Proc, errors: Vec<String>) -> TurnEnd {
     TurnEnd::Failed {
         reason: reason::PARENT_TRANSPORT_UNAVAILABLE,
         detail: format!(
-            "`{}` did not start the turn (exit {status}): {first}",
+            "`{}` did not start the turn ({status}): {first}",
             proc.argv.join(" ")
         ),
         output,

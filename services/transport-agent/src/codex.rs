@@ -1,7 +1,19 @@
-//! The `codex` adapter: Codex CLI, one `codex exec --json <message>` process per turn, and
-//! `codex exec --json resume <thread_id> <message>` once the thread is known (from its
-//! `thread.started` event). A turn ends at `turn.completed` (its last `agent_message` is the
-//! reply) or `turn.failed`; a process that exits before either has crashed.
+//! The `codex` adapter: Codex CLI, one `codex exec --json … -- <message>` process per turn,
+//! and `codex exec --json … resume <thread_id> -- <message>` once the thread is known (from
+//! its `thread.started` event). A turn ends at `turn.completed` (its last `agent_message` is
+//! the reply) or `turn.failed`; a process that exits after `turn.started` without either has
+//! crashed (`agent_exited`), one that exits before it never started (R9:
+//! `parent_transport_unavailable`, or `mcp_unavailable` when its own error names the MCP
+//! server), with its stderr as the evidence.
+//!
+//! Unattended: `exec` never asks for approval. The session's policy picks the sandbox
+//! (`read-only` without edits or shell, else `workspace-write`, with network only when the
+//! policy allows it); a command the sandbox refused (`Read-only file system`, `Operation not
+//! permitted`) or an escalation codex rejected fails the turn `permission_denied`. The
+//! Turnstile MCP server is given with `-c mcp_servers.turnstile.*`: `required` (codex will not
+//! start without it), its tools approved, and the session's credentials passed by name from
+//! this process's environment (`env_vars`), never on the command line. `--` ends the options,
+//! so a message may start with `-`; `--skip-git-repo-check`, so any directory works.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -19,11 +31,16 @@ use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable}
 use crate::tail::{exit_status, Tail};
 
 const TAIL: usize = 20;
+/// What a sandboxed command prints when the sandbox refused it.
+const SANDBOX_REFUSALS: [&str; 2] = ["Read-only file system", "Operation not permitted"];
+/// What codex logs when it refuses a command outright (an escalation under `exec`).
+const REJECTED: &str = "reject command";
 
 /// Codex's own `exec --json` line types (its protocol, not Turnstile events).
 mod codex_line {
     pub const THREAD_STARTED: &str = "thread.started";
     pub const ITEM_COMPLETED: &str = "item.completed";
+    pub const TURN_STARTED: &str = "turn.started";
     pub const TURN_COMPLETED: &str = "turn.completed";
     pub const TURN_FAILED: &str = "turn.failed";
 }
@@ -32,17 +49,20 @@ pub struct CodexAdapter {
     pub bin: PathBuf,
     pub data_dir: PathBuf,
     pub nats_url: String,
+    /// The `turnstile` binary whose `mcp` subcommand codex runs as its MCP server.
+    pub turnstile_bin: PathBuf,
     /// Threads learnt this process's lifetime (the transport also records them as the
     /// session's conversation, which is what a restarted transport resumes).
     threads: Mutex<HashMap<SessionId, ConversationId>>,
 }
 
 impl CodexAdapter {
-    pub fn new(bin: PathBuf, data_dir: PathBuf, nats_url: String) -> Self {
+    pub fn new(bin: PathBuf, data_dir: PathBuf, nats_url: String, turnstile_bin: PathBuf) -> Self {
         Self {
             bin,
             data_dir,
             nats_url,
+            turnstile_bin,
             threads: Mutex::default(),
         }
     }
@@ -55,19 +75,64 @@ impl CodexAdapter {
             .or_else(|| spec.conversation.clone())
     }
 
-    async fn turn(&self, spec: &SessionSpec, text: &str, timeout: Duration) -> TurnEnd {
-        let mut argv = vec!["exec".to_string(), "--json".to_string()];
+    /// The arguments of one turn's `codex exec`, the message last (after `--`).
+    fn argv(&self, spec: &SessionSpec, cwd: &std::path::Path, text: &str) -> Vec<String> {
+        let mut argv: Vec<String> = ["exec", "--json", "--skip-git-repo-check", "-C"]
+            .map(String::from)
+            .to_vec();
+        argv.push(cwd.to_string_lossy().into_owned());
+        let policy = &spec.policy;
+        let sandbox = if policy.edits || policy.shell {
+            "workspace-write"
+        } else {
+            "read-only"
+        };
+        argv.extend(["-s".to_string(), sandbox.to_string()]);
+        let mut config = vec![format!(
+            "sandbox_workspace_write.network_access={}",
+            policy.network
+        )];
+        // TOML values: a JSON string or array of strings is one too.
+        let names: Vec<String> = ["TURNSTILE_SESSION", "TURNSTILE_TOKEN", "TURNSTILE_NATS_URL"]
+            .into_iter()
+            .map(String::from)
+            .chain(
+                turnstile_shared::config::tls_env()
+                    .into_iter()
+                    .map(|(k, _)| k.to_string()),
+            )
+            .collect();
+        let server = "mcp_servers.turnstile";
+        config.extend([
+            format!(
+                "{server}.command={}",
+                serde_json::Value::from(self.turnstile_bin.to_string_lossy())
+            ),
+            format!("{server}.args=[\"mcp\"]"),
+            format!("{server}.env_vars={}", serde_json::Value::from(names)),
+            format!("{server}.required=true"),
+            format!("{server}.default_tools_approval_mode=\"approve\""),
+        ]);
+        for c in config {
+            argv.extend(["-c".to_string(), c]);
+        }
         if let Some(t) = self.thread(spec) {
             argv.push("resume".into());
             argv.push(t.to_string());
         }
+        argv.push("--".into());
         argv.push(text.to_string());
+        argv
+    }
+
+    async fn turn(&self, spec: &SessionSpec, text: &str, timeout: Duration) -> TurnEnd {
+        let cwd = spec.cwd.clone().unwrap_or_else(|| self.data_dir.clone());
+        let argv = self.argv(spec, &cwd, text);
         let shown = format!(
             "{} {}",
             self.bin.display(),
             argv[..argv.len() - 1].join(" ")
         );
-        let cwd = spec.cwd.clone().unwrap_or_else(|| self.data_dir.clone());
         let mut child = match tokio::process::Command::new(&self.bin)
             .args(&argv)
             .current_dir(&cwd)
@@ -102,6 +167,8 @@ impl CodexAdapter {
         };
         let mut lines = BufReader::new(out).lines();
         let mut said: Vec<String> = Vec::new();
+        let mut started = false;
+        let mut refused: Vec<String> = Vec::new();
         let read = async {
             while let Ok(Some(line)) = lines.next_line().await {
                 let Ok(event) = serde_json::from_str::<Value>(&line) else {
@@ -117,12 +184,17 @@ impl CodexAdapter {
                             m.insert(spec.id.clone(), id);
                         }
                     }
-                    Some(codex_line::ITEM_COMPLETED)
-                        if event.pointer("/item/type").and_then(Value::as_str)
-                            == Some("agent_message") =>
-                    {
-                        if let Some(t) = event.pointer("/item/text").and_then(Value::as_str) {
-                            said.extend(t.lines().map(str::to_string));
+                    Some(codex_line::TURN_STARTED) => started = true,
+                    Some(codex_line::ITEM_COMPLETED) => {
+                        match event.pointer("/item/type").and_then(Value::as_str) {
+                            Some("agent_message") => {
+                                if let Some(t) = event.pointer("/item/text").and_then(Value::as_str)
+                                {
+                                    said.extend(t.lines().map(str::to_string));
+                                }
+                            }
+                            Some("command_execution") => refused.extend(sandbox_refusal(&event)),
+                            _ => {}
                         }
                     }
                     Some(codex_line::TURN_COMPLETED) => return Some(Ok(())),
@@ -153,20 +225,70 @@ impl CodexAdapter {
         let status = exit_status(&mut child).await;
         let skip = said.len().saturating_sub(TAIL);
         let said: Vec<String> = said.into_iter().skip(skip).collect();
+        let stderr = tail.lines().await;
+        refused.extend(
+            stderr
+                .iter()
+                .filter(|l| l.contains(REJECTED))
+                .map(|l| l.trim().to_string()),
+        );
         match outcome {
+            Some(Ok(())) if !refused.is_empty() => TurnEnd::Failed {
+                reason: reason::PERMISSION_DENIED,
+                detail: format!(
+                    "codex refused {} call(s) the session's policy does not allow: {}",
+                    refused.len(),
+                    refused.join("; ")
+                ),
+                output: said,
+            },
             Some(Ok(())) => TurnEnd::Completed { output: said },
             Some(Err(msg)) => TurnEnd::Failed {
                 reason: reason::AGENT_ERROR,
                 detail: format!("codex turn.failed: {msg}"),
                 output: said,
             },
+            // It never started the turn: its own error says why (R9).
+            None if !started => {
+                let first = stderr
+                    .iter()
+                    .find(|l| l.contains("Error"))
+                    .or_else(|| stderr.last())
+                    .cloned()
+                    .unwrap_or_default();
+                let reason = if first.contains("MCP server") {
+                    reason::MCP_UNAVAILABLE
+                } else {
+                    reason::PARENT_TRANSPORT_UNAVAILABLE
+                };
+                TurnEnd::Failed {
+                    reason,
+                    detail: format!("`{shown}` did not start the turn ({status}): {first}"),
+                    output: stderr,
+                }
+            }
             None => TurnEnd::Failed {
                 reason: reason::AGENT_EXITED,
                 detail: format!("`{shown}` exited before the turn ended (exit {status})"),
-                output: tail.lines().await,
+                output: stderr,
             },
         }
     }
+}
+
+/// `<command>: <refusal>` when a command's output shows the sandbox refused it.
+fn sandbox_refusal(event: &Value) -> Option<String> {
+    let failed = event.pointer("/item/exit_code").and_then(Value::as_i64) != Some(0);
+    let output = event
+        .pointer("/item/aggregated_output")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let hit = SANDBOX_REFUSALS.iter().find(|r| output.contains(*r))?;
+    let command = event
+        .pointer("/item/command")
+        .and_then(Value::as_str)
+        .unwrap_or("?");
+    failed.then(|| format!("{command}: {hit}"))
 }
 
 impl Adapter for CodexAdapter {

@@ -205,6 +205,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
             config.codex_bin.clone(),
             config.data_dir.clone(),
             config.agent_nats_url(),
+            config.agent_bin.clone(),
         )),
     );
     let worker = format!("{}/{}", config.host, uuid::Uuid::now_v7().simple());

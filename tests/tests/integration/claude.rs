@@ -5,20 +5,16 @@
 //! directory that is not a git repository, a tool call the session's policy refuses, a resume
 //! of an unknown conversation, and the CLI killed mid-turn.
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use serde_json::json;
-use turnstile_shared::api::CreateSession;
 use turnstile_shared::policy::Policy;
-use turnstile_shared::records::{AgentKind, TurnRecord, TurnState};
-use turnstile_shared::SessionId;
+use turnstile_shared::records::AgentKind;
 use turnstile_tests::model::{self, Api, ModelServer, Reply};
 
+use crate::real_cli::{completed, failed, kill, session, walk, workdir, TURN};
 use crate::stack::{report, Stack};
-
-const TURN: Duration = Duration::from_secs(60);
 
 /// The stack with its transport running the real `claude` against `model`, in a config
 /// directory of the test's own (no login, no updates, no telemetry).
@@ -41,53 +37,6 @@ async fn stack_for(model: &ModelServer, dir: &Path) -> Result<Stack> {
     Stack::start_with(&["a"], &["h1"], &env).await
 }
 
-async fn session(
-    stack: &Stack,
-    name: &str,
-    cwd: &Path,
-    policy: Option<Policy>,
-) -> Result<SessionId> {
-    stack
-        .create_session_with(CreateSession {
-            agent: AgentKind::Claude,
-            name: name.to_string(),
-            host: None,
-            cwd: Some(cwd.to_string_lossy().into_owned()),
-            id: None,
-            launch: None,
-            ready_timeout_ms: None,
-            policy,
-        })
-        .await
-}
-
-fn completed(r: &TurnRecord) -> Result<&[String]> {
-    match &r.state {
-        TurnState::Completed { output, .. } => Ok(output),
-        other => bail!("turn {} did not complete: {other:?}", r.id),
-    }
-}
-
-fn failed(r: &TurnRecord) -> Result<(&str, &str, &[String])> {
-    match &r.state {
-        TurnState::Failed {
-            reason,
-            detail,
-            output,
-            ..
-        } => Ok((reason, detail, output)),
-        other => bail!("turn {} did not fail: {other:?}", r.id),
-    }
-}
-
-/// A fresh working directory that is not a git repository.
-fn workdir(stack: &Stack, name: &str) -> Result<PathBuf> {
-    let dir = stack.dir.path().join(name);
-    std::fs::create_dir_all(&dir)?;
-    ensure!(!dir.join(".git").exists());
-    Ok(dir)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claude_runs_text_shell_and_step_turns_verbatim_in_any_directory() -> Result<()> {
     let model = ModelServer::start(Api::Messages).await?;
@@ -99,7 +48,7 @@ async fn claude_runs_text_shell_and_step_turns_verbatim_in_any_directory() -> Re
 
 async fn turns(stack: &mut Stack, model: &ModelServer) -> Result<()> {
     let cwd = workdir(stack, "plain-dir")?;
-    let s = session(stack, "claude-turns", &cwd, None).await?;
+    let s = session(stack, AgentKind::Claude, "claude-turns", &cwd, None).await?;
 
     // A text reply, to a message that starts with `-` and holds quotes and a newline: it
     // reaches the model verbatim.
@@ -177,9 +126,27 @@ async fn claude_refusals_bad_resumes_and_kills_end_turns_with_the_clis_own_evide
 }
 
 async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<()> {
+    // The model API refuses the request: the turn fails `agent_error`, with the API's words.
+    let cwd = workdir(stack, "api-error")?;
+    let s = session(stack, AgentKind::Claude, "api-error", &cwd, None).await?;
+    model.push(Reply::Refuse("scripted refusal: prompt too long".into()));
+    let t = stack.send(&s, "anything").await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, output) = failed(&r)?;
+    ensure!(reason == "agent_error", "{reason}: {detail}");
+    let evidence = format!("{detail}\n{}", output.join("\n"));
+    ensure!(evidence.contains("scripted refusal"), "{evidence}");
+
     // A tool call the policy does not allow: refused at once, and the turn says so.
     let cwd = workdir(stack, "no-shell")?;
-    let s = session(stack, "claude-refused", &cwd, Some(Policy::none())).await?;
+    let s = session(
+        stack,
+        AgentKind::Claude,
+        "claude-refused",
+        &cwd,
+        Some(Policy::none()),
+    )
+    .await?;
     model.push(Reply::tool(
         "Bash",
         json!({"command": "touch refused.txt", "description": "try"}),
@@ -197,7 +164,7 @@ async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<
 
     // The CLI killed mid-turn (its model still thinking): `agent_exited`, with its exit.
     let cwd = workdir(stack, "killed")?;
-    let s = session(stack, "claude-killed", &cwd, None).await?;
+    let s = session(stack, AgentKind::Claude, "claude-killed", &cwd, None).await?;
     model.push(Reply::text("first"));
     let t = stack.send(&s, "hello").await?;
     completed(&stack.wait_turn(&t, TURN).await?)?;
@@ -208,7 +175,7 @@ async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<
         Ok((model.requests().len() > before).then_some(()))
     })
     .await?;
-    kill(&s).await?;
+    kill(&[&format!("{s}.mcp.json"), "stream-json"]).await?;
     let r = stack.wait_turn(&t, TURN).await?;
     let (reason, detail, _) = failed(&r)?;
     ensure!(reason == "agent_exited", "{reason}: {detail}");
@@ -247,7 +214,7 @@ async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<
         Ok((model.requests().len() > before).then_some(()))
     })
     .await?;
-    kill(&s).await?;
+    kill(&[&format!("{s}.mcp.json"), "stream-json"]).await?;
     failed(&stack.wait_turn(&t, TURN).await?)?;
     let projects = dir.join("claude-config").join("projects");
     for f in walk(&projects)? {
@@ -268,68 +235,4 @@ async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<
         "{evidence}"
     );
     Ok(())
-}
-
-/// SIGKILLs the claude process serving `session` and waits until it is dead (a zombie or
-/// gone), so the next turn finds it dead rather than racing the signal.
-async fn kill(session: &SessionId) -> Result<()> {
-    let pid = claude_pid(session)?;
-    rustix::process::kill_process(pid, rustix::process::Signal::KILL)?;
-    let stat = format!("/proc/{}/stat", pid.as_raw_nonzero().get());
-    turnstile_tests::wait_until("the killed claude to die", TURN, || {
-        let stat = stat.clone();
-        async move {
-            Ok(match std::fs::read_to_string(&stat) {
-                // `pid (comm) STATE ...`: the state follows the last `)`.
-                Ok(s) => s
-                    .rsplit(')')
-                    .next()
-                    .and_then(|rest| rest.split_whitespace().next())
-                    .filter(|state| *state == "Z" || *state == "X")
-                    .map(|_| ()),
-                Err(_) => Some(()),
-            })
-        }
-    })
-    .await
-}
-
-/// Every file under `dir`.
-fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d)? {
-            let p = e?.path();
-            if p.is_dir() {
-                todo.push(p);
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// The claude process serving `session` (its command line names the session's MCP config).
-fn claude_pid(session: &SessionId) -> Result<rustix::process::Pid> {
-    let needle = format!("{session}.mcp.json");
-    for entry in std::fs::read_dir("/proc")? {
-        let entry = entry?;
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let cmdline = String::from_utf8_lossy(&cmdline);
-        if cmdline.contains(&needle) && cmdline.contains("stream-json") {
-            return rustix::process::Pid::from_raw(pid).context("a pid");
-        }
-    }
-    bail!("no claude process for {session}")
 }

@@ -385,14 +385,6 @@ impl Stack {
             ("TURNSTILE_TRANSPORT_ACK_WAIT", "2s".to_string()),
             ("TURNSTILE_HOST_TTL", "3s".to_string()),
             ("RUST_LOG", "info,async_nats=warn".to_string()),
-            (
-                "FAKE_CODEX_STATE",
-                self.dir
-                    .path()
-                    .join("fake-codex")
-                    .to_string_lossy()
-                    .into_owned(),
-            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -458,7 +450,12 @@ impl Stack {
                 .to_string_lossy()
                 .into_owned(),
             "--codex-bin".to_string(),
-            bin_path("fake-codex")?.to_string_lossy().into_owned(),
+            self.override_of("TURNSTILE_CODEX_BIN")
+                .map(PathBuf::from)
+                .or_else(|| turnstile_tests::agent_cli("codex").ok())
+                .unwrap_or_else(|| PathBuf::from("codex"))
+                .to_string_lossy()
+                .into_owned(),
         ];
         let p = ServiceProcess::spawn_in(
             self.dir.path(),

@@ -1,0 +1,227 @@
+//! The `codex` adapter against the real Codex CLI (installed by
+//! `scripts/install-agent-clis.sh`), its model replaced by the scripted Responses API server:
+//! text turns, a shell command that writes a file (in codex's own sandbox), the Turnstile
+//! `start_step` MCP tool with the step's result delivered in the next turn (R3, R4), a
+//! message that starts with `-`, a directory that is not a git repository, a command the
+//! session's policy refuses, the CLI killed mid-turn, and a resume of a thread it lost.
+
+use std::path::Path;
+
+use anyhow::{ensure, Context, Result};
+use serde_json::json;
+use turnstile_shared::policy::Policy;
+use turnstile_shared::records::AgentKind;
+use turnstile_tests::model::{self, Api, ModelServer, Reply};
+
+use crate::real_cli::{completed, failed, kill, session, walk, workdir, TURN};
+use crate::stack::{report, Stack};
+
+/// The stack with its transport running the real `codex` against `model`: a `CODEX_HOME` of
+/// the test's own whose config names the scripted provider, and a `TMPDIR` outside it (codex
+/// will not put its sandbox helpers under the temporary directory).
+async fn stack_for(model: &ModelServer, dir: &Path) -> Result<Stack> {
+    let codex = turnstile_tests::agent_cli("codex")?;
+    let home = dir.join("codex-home");
+    let tmp = dir.join("codex-tmp");
+    std::fs::create_dir_all(&home)?;
+    std::fs::create_dir_all(&tmp)?;
+    std::fs::write(
+        home.join("config.toml"),
+        format!(
+            "model = \"gpt-5.5\"\nmodel_provider = \"scripted\"\n\n\
+             [model_providers.scripted]\nname = \"scripted\"\nbase_url = \"{}/v1\"\n\
+             wire_api = \"responses\"\nstream_max_retries = 0\nrequest_max_retries = 0\n\n\
+             [analytics]\nenabled = false\n",
+            model.url()
+        ),
+    )?;
+    let env = [
+        ("TURNSTILE_CODEX_BIN", codex.to_string_lossy().into_owned()),
+        ("CODEX_HOME", home.to_string_lossy().into_owned()),
+        ("TMPDIR", tmp.to_string_lossy().into_owned()),
+    ];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    Stack::start_with(&["a"], &["h1"], &env).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_runs_text_shell_and_step_turns_verbatim_in_any_directory() -> Result<()> {
+    let model = ModelServer::start(Api::Responses).await?;
+    let dir = tempfile::tempdir()?;
+    let mut stack = stack_for(&model, dir.path()).await?;
+    let r = turns(&mut stack, &model).await;
+    report(&stack, r)
+}
+
+async fn turns(stack: &mut Stack, model: &ModelServer) -> Result<()> {
+    let cwd = workdir(stack, "plain-dir")?;
+    let s = session(stack, AgentKind::Codex, "codex-turns", &cwd, None).await?;
+
+    // A text reply, to a message that starts with `-`: it reaches the model verbatim.
+    let text = "-v --help \"quoted\" 'single'\nsecond line";
+    model.push(Reply::text("hello from the model"));
+    let t1 = stack.send(&s, text).await?;
+    let r1 = stack.wait_turn(&t1, TURN).await?;
+    ensure!(
+        completed(&r1)?.iter().any(|l| l == "hello from the model"),
+        "{:?}",
+        r1.state
+    );
+    let first = model
+        .requests()
+        .first()
+        .cloned()
+        .context("a model request")?;
+    ensure!(
+        model::user_texts(&first).iter().any(|t| t == text),
+        "the message reached the model verbatim: {:?}",
+        model::user_texts(&first)
+    );
+
+    // A shell command that writes a file in the session's directory (inside the sandbox).
+    model.push(Reply::tool(
+        "exec_command",
+        json!({"cmd": "echo made-by-codex > made.txt"}),
+    ));
+    model.push(Reply::text("wrote it"));
+    let t2 = stack.send(&s, "write the file").await?;
+    completed(&stack.wait_turn(&t2, TURN).await?)?;
+    let made = std::fs::read_to_string(cwd.join("made.txt")).context("made.txt")?;
+    ensure!(made.trim() == "made-by-codex", "{made:?}");
+
+    // The Turnstile start_step tool (an MCP tool: namespace `mcp__turnstile`): the step runs
+    // on the host, and its result is handed over in the next turn of the same thread.
+    model.push(Reply::namespaced(
+        "mcp__turnstile",
+        "start_step",
+        json!({"name": "bg-build", "command": ["sh", "-c", "echo built"], "scope": "detached"}),
+    ));
+    model.push(Reply::text("started it"));
+    let t3 = stack.send(&s, "start a background build").await?;
+    completed(&stack.wait_turn(&t3, TURN).await?)?;
+    let started = model
+        .requests()
+        .iter()
+        .flat_map(model::tool_results)
+        .find(|r| r.contains("started step"))
+        .context("start_step answered the model")?;
+    ensure!(started.contains("bg-build"), "{started}");
+    turnstile_tests::wait_until("the step's result reaches the model", TURN, || async {
+        Ok(model
+            .requests()
+            .iter()
+            .flat_map(model::user_texts)
+            .any(|t| t.contains("bg-build") && t.contains("completed"))
+            .then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_refusals_kills_and_lost_threads_end_turns_with_the_clis_own_evidence() -> Result<()>
+{
+    let model = ModelServer::start(Api::Responses).await?;
+    let dir = tempfile::tempdir()?;
+    let mut stack = stack_for(&model, dir.path()).await?;
+    let r = failures(&mut stack, &model, dir.path()).await;
+    report(&stack, r)
+}
+
+async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<()> {
+    // The model API refuses the request: the turn fails `agent_error`, with the API's words.
+    let cwd = workdir(stack, "api-error")?;
+    let s = session(stack, AgentKind::Codex, "api-error", &cwd, None).await?;
+    model.push(Reply::Refuse("scripted refusal: prompt too long".into()));
+    let t = stack.send(&s, "anything").await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, output) = failed(&r)?;
+    ensure!(reason == "agent_error", "{reason}: {detail}");
+    let evidence = format!("{detail}\n{}", output.join("\n"));
+    ensure!(evidence.contains("scripted refusal"), "{evidence}");
+
+    // A command the policy does not allow (no edits, no shell: a read-only sandbox).
+    let cwd = workdir(stack, "read-only")?;
+    let s = session(
+        stack,
+        AgentKind::Codex,
+        "codex-refused",
+        &cwd,
+        Some(Policy::none()),
+    )
+    .await?;
+    model.push(Reply::tool(
+        "exec_command",
+        json!({"cmd": "touch refused.txt"}),
+    ));
+    model.push(Reply::text("I could not"));
+    let t = stack.send(&s, "try the shell").await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, _) = failed(&r)?;
+    ensure!(reason == "permission_denied", "{reason}: {detail}");
+    ensure!(detail.contains("touch refused.txt"), "{detail}");
+    ensure!(!cwd.join("refused.txt").exists(), "the refused command ran");
+
+    // The CLI killed mid-turn (its model still thinking): `agent_exited`.
+    let cwd = workdir(stack, "killed")?;
+    let s = session(stack, AgentKind::Codex, "codex-killed", &cwd, None).await?;
+    model.push(Reply::text("first"));
+    let t = stack.send(&s, "hello").await?;
+    completed(&stack.wait_turn(&t, TURN).await?)?;
+    let before = model.requests().len();
+    model.push(Reply::Stall);
+    let t = stack.send(&s, "think hard").await?;
+    turnstile_tests::wait_until("the stalled model request", TURN, || async {
+        Ok((model.requests().len() > before).then_some(()))
+    })
+    .await?;
+    kill(&["exec", &cwd.to_string_lossy(), "think hard"]).await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, _) = failed(&r)?;
+    ensure!(reason == "agent_exited", "{reason}: {detail}");
+    // The next turn resumes the thread.
+    model.push(Reply::text("back again"));
+    let t = stack.send(&s, "still there?").await?;
+    let out = stack.wait_turn(&t, TURN).await?;
+    ensure!(
+        completed(&out)?.iter().any(|l| l == "back again"),
+        "{:?}",
+        out.state
+    );
+    let resumed = model
+        .requests()
+        .last()
+        .map(model::user_texts)
+        .unwrap_or_default();
+    ensure!(
+        resumed.iter().any(|t| t == "hello"),
+        "the resumed thread holds the first message: {resumed:?}"
+    );
+
+    // A resume of a thread codex no longer has (its state wiped): a start-up failure, with
+    // codex's own words.
+    let thread = stack
+        .session_record(&s)
+        .await?
+        .conversation
+        .context("the thread id")?
+        .to_string();
+    for f in walk(&dir.join("codex-home").join("sessions"))? {
+        if f.to_string_lossy().contains(&thread) {
+            std::fs::remove_file(&f)?;
+        }
+    }
+    let t = stack.send(&s, "are you there").await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, output) = failed(&r)?;
+    ensure!(
+        reason == "parent_transport_unavailable",
+        "{reason}: {detail}"
+    );
+    let evidence = format!("{detail}\n{}", output.join("\n"));
+    ensure!(
+        evidence.contains("thread/resume failed") && evidence.contains(&thread),
+        "{evidence}"
+    );
+    Ok(())
+}
