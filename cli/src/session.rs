@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Subcommand;
 use turnstile_shared::api::{self, CreateSession, ListSessions, SendTurn, SessionRef, SessionView};
 use turnstile_shared::duration;
-use turnstile_shared::records::{AgentKind, SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::records::{AgentKind, LaunchSpec, SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::{HostName, SessionId, TurnId};
 
@@ -43,8 +43,20 @@ pub enum SessionCommand {
         /// `--allow-tool 'Bash(git *)'`); repeatable.
         #[arg(long = "allow-tool")]
         allow_tool: Vec<String>,
+        /// Agent `tmux`: a regular expression the cursor line matches when the CLI waits for
+        /// input (its prompt; anchor it, e.g. `'^> $'`).
+        #[arg(long)]
+        ready: Option<String>,
+        /// Agent `tmux`: a regular expression some screen line matches while the CLI works
+        /// (a spinner's label); while it matches, the CLI is not ready.
+        #[arg(long)]
+        busy: Option<String>,
         #[arg(long)]
         json: bool,
+        /// Agent `tmux`: the command to run, after `--` (no shell), e.g.
+        /// `-- aider --no-auto-commits`.
+        #[arg(last = true)]
+        launch: Vec<String>,
     },
     /// List sessions with their lane state.
     List {
@@ -90,8 +102,22 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
             ready_timeout,
             allow,
             allow_tool,
+            ready,
+            busy,
             json,
+            launch,
         } => {
+            let launch = match (launch.is_empty(), ready) {
+                (true, None) if busy.is_none() => None,
+                (false, Some(ready)) => Some(LaunchSpec {
+                    argv: launch,
+                    ready,
+                    busy,
+                }),
+                _ => anyhow::bail!(
+                    "a tmux session needs its command after `--` and --ready (and optionally --busy)"
+                ),
+            };
             let policy = match (allow, allow_tool.is_empty()) {
                 (None, true) => None,
                 (allow, _) => {
@@ -107,7 +133,7 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
                 host,
                 cwd: cwd.map(|p| p.to_string_lossy().into_owned()),
                 id: Some(SessionId::new()),
-                launch: None,
+                launch,
                 ready_timeout_ms: ready_timeout.map(|d| d.as_millis() as u64),
                 policy,
             };

@@ -217,9 +217,10 @@ async fn turn(proc: &mut Proc, text: &str, timeout: Duration) -> TurnEnd {
     loop {
         let event = match tokio::time::timeout_at(deadline, proc.events.recv()).await {
             Err(_) => {
-                // The process goes with the turn: nothing it says later can pass for the
-                // next turn's; the next turn resumes the conversation.
-                let _ = proc.child.start_kill();
+                // The process goes with the turn (waited for, so the next turn finds it
+                // gone): nothing it says later can pass for the next turn's; the next turn
+                // resumes the conversation.
+                let _ = tokio::time::timeout(Duration::from_secs(5), proc.child.kill()).await;
                 return TurnEnd::Failed {
                     reason: reason::TURN_TIMEOUT,
                     detail: format!("no result within {timeout:?}; the claude process was stopped"),

@@ -1,13 +1,17 @@
 //! The generic `tmux` adapter: any interactive CLI in a tmux pane, described by the session's
-//! `launch` (argv, the text its prompt line ends with, and text it shows while busy). The text
+//! `launch` (argv, a regular expression its prompt line matches, and one a screen line
+//! matches while it is busy). The text
 //! goes in by load-buffer/paste-buffer and Enter is sent separately; the pane is checked with
 //! `#{pane_dead}` before anything is typed (R9). A turn has ended when the cursor has moved
 //! past the line it was typed on and the prompt is back with no busy text on screen.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use regex::Regex;
 use tokio::time::Instant;
 use turnstile_shared::records::{reason, LaunchSpec};
 
@@ -23,18 +27,34 @@ pub struct GenericAdapter {
     pub data_dir: PathBuf,
     pub nats_url: String,
     pub turnstile_bin: PathBuf,
+    /// The sessions' ready and busy patterns, compiled once each.
+    pub patterns: Mutex<HashMap<String, Option<Regex>>>,
 }
 
-fn ready(launch: &LaunchSpec, state: &PaneState) -> bool {
-    !state.dead
-        && state
-            .cursor_text()
-            .trim_end()
-            .ends_with(launch.ready.as_str())
-        && !launch
-            .busy
+impl GenericAdapter {
+    /// Whether `text` matches `pattern` (a regular expression, checked when the session was
+    /// created; one that does not compile never matches).
+    fn matches(&self, pattern: &str, text: &str) -> bool {
+        let Ok(mut cache) = self.patterns.lock() else {
+            return false;
+        };
+        cache
+            .entry(pattern.to_string())
+            .or_insert_with(|| Regex::new(pattern).ok())
             .as_ref()
-            .is_some_and(|b| state.screen.iter().any(|l| l.contains(b.as_str())))
+            .is_some_and(|r| r.is_match(text))
+    }
+
+    /// At its prompt: the cursor line (without trailing blanks) matches `ready`, and no screen
+    /// line matches `busy`.
+    fn ready(&self, launch: &LaunchSpec, state: &PaneState) -> bool {
+        !state.dead
+            && self.matches(&launch.ready, state.cursor_text().trim_end())
+            && !launch
+                .busy
+                .as_ref()
+                .is_some_and(|b| state.screen.iter().any(|l| self.matches(b, l)))
+    }
 }
 
 fn no_launch(spec: &SessionSpec) -> Unavailable {
@@ -59,7 +79,7 @@ impl GenericAdapter {
                 detail: format!("terminal {name}: {e}"),
                 last_lines: Vec::new(),
             })?;
-            if ready(launch, &state) {
+            if self.ready(launch, &state) {
                 return Ok(state);
             }
             if state.dead || Instant::now() >= deadline {
@@ -69,7 +89,10 @@ impl GenericAdapter {
                         state.exit_text()
                     )
                 } else {
-                    format!("terminal {name} shows no `{}` prompt in time", launch.ready)
+                    format!(
+                        "terminal {name} shows no prompt matching `{}` in time",
+                        launch.ready
+                    )
                 };
                 return Err(Unavailable {
                     detail: format!("{why} (after `{}`)", launch.argv.join(" ")),
@@ -110,7 +133,7 @@ impl GenericAdapter {
                     output: state.last_lines(EVIDENCE_LINES),
                 };
             }
-            if state.cursor_line() > mark && ready(launch, &state) {
+            if state.cursor_line() > mark && self.ready(launch, &state) {
                 let mut output = state.last_lines(EVIDENCE_LINES);
                 output.pop(); // the prompt line
                 return TurnEnd::Completed { output };
@@ -235,7 +258,7 @@ impl Adapter for GenericAdapter {
             };
             let name = spec.id.as_str();
             match self.tmux.pane_state(name).await {
-                Ok(s) if !s.dead && s.cursor_line() == mark && ready(launch, &s) => {
+                Ok(s) if !s.dead && s.cursor_line() == mark && self.ready(launch, &s) => {
                     Adopted::NotTyped
                 }
                 _ => Adopted::Ended(self.wait_end(name, launch, mark, timeout).await),

@@ -197,6 +197,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
             data_dir: config.data_dir.clone(),
             nats_url: config.agent_nats_url(),
             turnstile_bin: config.agent_bin.clone(),
+            patterns: Default::default(),
         }),
     );
     adapters.insert(

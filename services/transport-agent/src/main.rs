@@ -44,7 +44,7 @@ struct Args {
     #[arg(long, default_value = "120s", value_parser = duration::parse_flag)]
     ready_timeout: Duration,
     /// A turn not back at the prompt by then fails with `turn_timeout`.
-    #[arg(long, default_value = "1h", value_parser = duration::parse_flag)]
+    #[arg(long, env = "TURNSTILE_TURN_TIMEOUT", default_value = "1h", value_parser = duration::parse_flag)]
     turn_timeout: Duration,
 }
 

@@ -7,6 +7,7 @@ use turnstile_shared::api::ErrorCode;
 
 use anyhow::{ensure, Result};
 use turnstile_shared::records::{AgentKind, TurnState};
+use turnstile_shared::SessionId;
 
 use crate::stack::{report, Stack};
 
@@ -21,49 +22,35 @@ async fn generic_tmux_adapter_drives_any_cli_by_its_prompt() -> Result<()> {
 }
 
 async fn generic(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::api::{self, CreateSession};
-    use turnstile_shared::records::{LaunchSpec, SessionRecord};
+    // Created the way a user would: `turnstile session create --agent tmux --ready REGEX
+    // --busy REGEX -- <command>`.
     let state = stack.dir.path().join("generic-cli");
-    let launch = LaunchSpec {
-        argv: vec![
-            turnstile_tests::bin_path("turnstile")?
-                .to_string_lossy()
-                .into_owned(),
-            "mock-agent".into(),
-            "--state-dir".into(),
-            state.to_string_lossy().into_owned(),
-        ],
-        ready: "❯".into(),
-        busy: Some("working…".into()),
+    let turnstile = turnstile_tests::bin_path("turnstile")?;
+    let create = |ready: &'static str| {
+        let mut cmd = tokio::process::Command::new(&turnstile);
+        cmd.args(["session", "create", "--agent", "tmux", "--name", "any-cli"])
+            .args(["--ready", ready, "--busy", "work(ing|s)…", "--"])
+            .arg(&turnstile)
+            .args(["mock-agent", "--state-dir"])
+            .arg(&state)
+            .envs(stack.env_as("cli"));
+        cmd
     };
-    let req = CreateSession {
-        agent: AgentKind::Tmux,
-        name: "any-cli".into(),
-        host: None,
-        cwd: None,
-        id: None,
-        launch: Some(launch),
-        ready_timeout_ms: None,
-        policy: None,
-    };
-    let client = stack.client.clone();
-    let s = turnstile_tests::wait_until("create", Duration::from_secs(20), || {
-        let req = req.clone();
-        let client = client.clone();
-        async move {
-            match api::call::<_, SessionRecord>(
-                &client,
-                turnstile_shared::subjects::api::SESSION_CREATE,
-                &req,
-                crate::stack::API,
-            )
-            .await
-            {
-                Ok(r) => Ok(Some(r.id)),
-                Err(e) if e.code == ErrorCode::NoHost => Ok(None),
-                Err(e) => Err(e.into()),
-            }
+    // A pattern that is not a regular expression is refused at create, saying why.
+    let bad = create("(❯").output().await?;
+    ensure!(
+        !bad.status.success()
+            && String::from_utf8_lossy(&bad.stderr).contains("not a regular expression"),
+        "{bad:?}"
+    );
+    let s: SessionId = turnstile_tests::wait_until("create", Duration::from_secs(20), || async {
+        let out = create("^❯$").output().await?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() {
+            return Ok(Some(String::from_utf8(out.stdout)?.trim().parse()?));
         }
+        ensure!(stderr.contains("no_host"), "session create: {stderr}");
+        Ok(None)
     })
     .await?;
     let t1 = stack

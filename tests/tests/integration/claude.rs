@@ -16,13 +16,13 @@ use turnstile_tests::model::{self, Api, ModelServer, Reply};
 use crate::real_cli::{completed, failed, kill, session, walk, workdir, TURN};
 use crate::stack::{report, Stack};
 
-/// The stack with its transport running the real `claude` against `model`, in a config
-/// directory of the test's own (no login, no updates, no telemetry).
-async fn stack_for(model: &ModelServer, dir: &Path) -> Result<Stack> {
+/// The environment that runs the real `claude` against `model`, in a config directory of the
+/// test's own under `dir` (no login, no updates, no telemetry).
+pub fn env(model: &ModelServer, dir: &Path) -> Result<Vec<(String, String)>> {
     let claude = turnstile_tests::agent_cli("claude")?;
     let config = dir.join("claude-config");
     std::fs::create_dir_all(&config)?;
-    let env = [
+    Ok([
         (
             "TURNSTILE_CLAUDE_BIN",
             claude.to_string_lossy().into_owned(),
@@ -32,9 +32,14 @@ async fn stack_for(model: &ModelServer, dir: &Path) -> Result<Stack> {
         ("CLAUDE_CONFIG_DIR", config.to_string_lossy().into_owned()),
         ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".to_string()),
         ("CLAUDE_CODE_MAX_RETRIES", "0".to_string()),
-    ];
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    Stack::start_with(&["a"], &["h1"], &env).await
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect())
+}
+
+async fn stack_for(model: &ModelServer, dir: &Path) -> Result<Stack> {
+    crate::real_cli::stack_with(&env(model, dir)?).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,10 +16,10 @@ use turnstile_tests::model::{self, Api, ModelServer, Reply};
 use crate::real_cli::{completed, failed, kill, session, walk, workdir, TURN};
 use crate::stack::{report, Stack};
 
-/// The stack with its transport running the real `codex` against `model`: a `CODEX_HOME` of
-/// the test's own whose config names the scripted provider, and a `TMPDIR` outside it (codex
+/// The environment that runs the real `codex` against `model`: a `CODEX_HOME` of the test's
+/// own under `dir` whose config names the scripted provider, and a `TMPDIR` outside it (codex
 /// will not put its sandbox helpers under the temporary directory).
-async fn stack_for(model: &ModelServer, dir: &Path) -> Result<Stack> {
+pub fn env(model: &ModelServer, dir: &Path) -> Result<Vec<(String, String)>> {
     let codex = turnstile_tests::agent_cli("codex")?;
     let home = dir.join("codex-home");
     let tmp = dir.join("codex-tmp");
@@ -35,13 +35,18 @@ async fn stack_for(model: &ModelServer, dir: &Path) -> Result<Stack> {
             model.url()
         ),
     )?;
-    let env = [
+    Ok([
         ("TURNSTILE_CODEX_BIN", codex.to_string_lossy().into_owned()),
         ("CODEX_HOME", home.to_string_lossy().into_owned()),
         ("TMPDIR", tmp.to_string_lossy().into_owned()),
-    ];
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    Stack::start_with(&["a"], &["h1"], &env).await
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect())
+}
+
+async fn stack_for(model: &ModelServer, dir: &Path) -> Result<Stack> {
+    crate::real_cli::stack_with(&env(model, dir)?).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

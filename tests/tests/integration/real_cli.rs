@@ -1,5 +1,7 @@
 //! What the tests of the real agent CLIs (`claude.rs`, `codex.rs`) share: sessions in a
-//! directory of their own, turn outcomes, and SIGKILLing the CLI process of a session.
+//! directory of their own, turn outcomes, and SIGKILLing the CLI process of a session; and the
+//! cases both CLIs must handle alike: a Turnstile MCP server that cannot start, and exact turn
+//! boundaries across a timed-out turn.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -9,11 +11,18 @@ use turnstile_shared::api::CreateSession;
 use turnstile_shared::policy::Policy;
 use turnstile_shared::records::{AgentKind, TurnRecord, TurnState};
 use turnstile_shared::SessionId;
+use turnstile_tests::model::{Api, ModelServer, Reply};
 
-use crate::stack::Stack;
+use crate::stack::{report, Stack};
 
 /// How long one turn of a real CLI (against the local scripted model) may take.
 pub const TURN: Duration = Duration::from_secs(60);
+
+/// A stack (one lane replica, host `h1`) whose services run with `env` added.
+pub async fn stack_with(env: &[(String, String)]) -> Result<Stack> {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    Stack::start_with(&["a"], &["h1"], &env).await
+}
 
 /// A session of `agent` working in `cwd`, with `policy` (the default when `None`).
 pub async fn session(
@@ -126,4 +135,98 @@ fn pid_of(marks: &[&str]) -> Result<rustix::process::Pid> {
         }
     }
     bail!("no process with {marks:?} on its command line")
+}
+
+/// Both CLIs against their scripted models on one stack, with `extra` added to its services'
+/// environment.
+async fn both(
+    messages: &ModelServer,
+    responses: &ModelServer,
+    dir: &Path,
+    extra: &[(&str, &str)],
+) -> Result<Stack> {
+    let mut env = crate::claude::env(messages, dir)?;
+    env.extend(crate::codex::env(responses, dir)?);
+    env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    stack_with(&env).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turnstile_mcp_server_that_cannot_start_is_said_by_both_clis() -> Result<()> {
+    let messages = ModelServer::start(Api::Messages).await?;
+    let responses = ModelServer::start(Api::Responses).await?;
+    let dir = tempfile::tempdir()?;
+    let missing = dir.path().join("no-such-turnstile");
+    let missing = missing.to_string_lossy();
+    let mut stack = both(
+        &messages,
+        &responses,
+        dir.path(),
+        &[("TURNSTILE_AGENT_BIN", &missing)],
+    )
+    .await?;
+    let r = mcp_unavailable(&mut stack, &messages, &responses).await;
+    report(&stack, r)
+}
+
+async fn mcp_unavailable(
+    stack: &mut Stack,
+    messages: &ModelServer,
+    responses: &ModelServer,
+) -> Result<()> {
+    for (agent, model) in [(AgentKind::Claude, messages), (AgentKind::Codex, responses)] {
+        let cwd = workdir(stack, &format!("no-mcp-{agent}"))?;
+        let s = session(stack, agent, &format!("no-mcp-{agent}"), &cwd, None).await?;
+        model.push(Reply::text("answered without tools"));
+        let t = stack.send(&s, "start a step").await?;
+        let r = stack.wait_turn(&t, TURN).await?;
+        let (reason, detail, output) = failed(&r)?;
+        ensure!(reason == "mcp_unavailable", "{agent}: {reason}: {detail}");
+        let evidence = format!("{detail}\n{}", output.join("\n"));
+        ensure!(evidence.contains("turnstile"), "{agent}: {evidence}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_turns_late_answer_is_never_the_next_turns() -> Result<()> {
+    let messages = ModelServer::start(Api::Messages).await?;
+    let responses = ModelServer::start(Api::Responses).await?;
+    let dir = tempfile::tempdir()?;
+    let mut stack = both(
+        &messages,
+        &responses,
+        dir.path(),
+        &[("TURNSTILE_TURN_TIMEOUT", "4s")],
+    )
+    .await?;
+    let r = boundaries(&mut stack, &messages, &responses).await;
+    report(&stack, r)
+}
+
+async fn boundaries(
+    stack: &mut Stack,
+    messages: &ModelServer,
+    responses: &ModelServer,
+) -> Result<()> {
+    for (agent, model) in [(AgentKind::Claude, messages), (AgentKind::Codex, responses)] {
+        let cwd = workdir(stack, &format!("timeout-{agent}"))?;
+        let s = session(stack, agent, &format!("timeout-{agent}"), &cwd, None).await?;
+        // The model never answers the first turn: it times out.
+        model.push(Reply::Stall);
+        let t = stack.send(&s, "think forever").await?;
+        let r = stack.wait_turn(&t, TURN).await?;
+        let (reason, detail, _) = failed(&r)?;
+        ensure!(reason == "turn_timeout", "{agent}: {reason}: {detail}");
+        // The next turn gets its own answer, never anything of the timed-out one.
+        model.push(Reply::text("the second answer"));
+        let t = stack.send(&s, "second").await?;
+        let r = stack.wait_turn(&t, TURN).await?;
+        let out = completed(&r)?;
+        ensure!(
+            out.iter().any(|l| l == "the second answer"),
+            "{agent}: {out:?}"
+        );
+    }
+    Ok(())
 }

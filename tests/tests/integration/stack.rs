@@ -439,7 +439,10 @@ impl Stack {
             "--mock-state-dir".to_string(),
             self.mock_dir().to_string_lossy().into_owned(),
             "--agent-bin".to_string(),
-            bin_path("turnstile")?.to_string_lossy().into_owned(),
+            self.override_of("TURNSTILE_AGENT_BIN")
+                .map_or_else(|| bin_path("turnstile"), |b| Ok(PathBuf::from(b)))?
+                .to_string_lossy()
+                .into_owned(),
             "--ready-timeout".to_string(),
             "20s".to_string(),
             "--claude-bin".to_string(),

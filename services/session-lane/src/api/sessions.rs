@@ -101,7 +101,18 @@ pub(super) async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionR
                 "launch needs a non-empty argv and ready text",
             ))
         }
-        (AgentKind::Tmux, Some(_)) | (_, None) => {}
+        (AgentKind::Tmux, Some(l)) => {
+            // The ready and busy texts are regular expressions: refused here, not found
+            // wanting at the first launch.
+            for (what, pattern) in [("ready", Some(&l.ready)), ("busy", l.busy.as_ref())] {
+                if let Some(Err(e)) = pattern.map(|p| regex::Regex::new(p)) {
+                    return Err(ApiError::bad_request(format!(
+                        "launch {what} pattern is not a regular expression: {e}"
+                    )));
+                }
+            }
+        }
+        (_, None) => {}
         (_, Some(_)) => return Err(ApiError::bad_request("`launch` is only for agent tmux")),
     }
     let host = place(&ctx, req.host).await?;
