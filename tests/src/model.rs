@@ -143,14 +143,8 @@ impl Drop for ModelServer {
 
 /// Every text a user (not the CLI's own system reminders) put into a request, in order.
 pub fn user_texts(request: &Value) -> Vec<String> {
-    let items = request
-        .get("messages")
-        .or_else(|| request.get("input"))
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
     let mut out = Vec::new();
-    for item in items {
+    for item in items(request) {
         if item.get("role").and_then(Value::as_str) != Some("user") {
             continue;
         }
@@ -172,14 +166,8 @@ pub fn user_texts(request: &Value) -> Vec<String> {
 /// Tool results the CLI sent back (Claude's `tool_result` blocks, Codex's
 /// `function_call_output` items), as text.
 pub fn tool_results(request: &Value) -> Vec<String> {
-    let items = request
-        .get("messages")
-        .or_else(|| request.get("input"))
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
     let mut out = Vec::new();
-    for item in items {
+    for item in items(request) {
         if item.get("type").and_then(Value::as_str) == Some("function_call_output") {
             out.push(flatten(item.get("output")));
         }
@@ -192,6 +180,16 @@ pub fn tool_results(request: &Value) -> Vec<String> {
         }
     }
     out
+}
+
+/// The conversation a request carries: Claude's `messages`, Codex's `input`.
+fn items(request: &Value) -> Vec<Value> {
+    request
+        .get("messages")
+        .or_else(|| request.get("input"))
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
 }
 
 fn flatten(v: Option<&Value>) -> String {

@@ -1,6 +1,6 @@
-//! The `codex` adapter: Codex CLI, one `codex exec --json … -- <message>` process per turn,
-//! and `codex exec --json … resume <thread_id> -- <message>` once the thread is known (from
-//! its `thread.started` event). A turn ends at `turn.completed` (its last `agent_message` is
+//! The `codex` adapter: Codex CLI, one `codex exec --json … -- -` process per turn (the
+//! message on its stdin), and `codex exec --json … resume <thread_id> -- -` once the thread is
+//! known (from its `thread.started` event). A turn ends at `turn.completed` (its last `agent_message` is
 //! the reply) or `turn.failed`; a process that exits after `turn.started` without either has
 //! crashed (`agent_exited`), one that exits before it never started (R9:
 //! `parent_transport_unavailable`, or `mcp_unavailable` when its own error names the MCP
@@ -12,8 +12,9 @@
 //! permitted`) or an escalation codex rejected fails the turn `permission_denied`. The
 //! Turnstile MCP server is given with `-c mcp_servers.turnstile.*`: `required` (codex will not
 //! start without it), its tools approved, and the session's credentials passed by name from
-//! this process's environment (`env_vars`), never on the command line. `--` ends the options,
-//! so a message may start with `-`; `--skip-git-repo-check`, so any directory works.
+//! this process's environment (`env_vars`), never on the command line. The message goes on
+//! stdin, so it may start with `-` and be as long as a message may be;
+//! `--skip-git-repo-check`, so any directory works.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -23,7 +24,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use turnstile_shared::records::reason;
 use turnstile_shared::{ConversationId, SessionId};
 
@@ -75,8 +76,10 @@ impl CodexAdapter {
             .or_else(|| spec.conversation.clone())
     }
 
-    /// The arguments of one turn's `codex exec`, the message last (after `--`).
-    fn argv(&self, spec: &SessionSpec, cwd: &std::path::Path, text: &str) -> Vec<String> {
+    /// The arguments of one turn's `codex exec`; the message itself goes on stdin (`-`), so
+    /// it may be as long as a message may be (an argument is limited to 128 KiB) and start
+    /// with anything.
+    fn argv(&self, spec: &SessionSpec, cwd: &std::path::Path) -> Vec<String> {
         let mut argv: Vec<String> = ["exec", "--json", "--skip-git-repo-check", "-C"]
             .map(String::from)
             .to_vec();
@@ -121,25 +124,21 @@ impl CodexAdapter {
             argv.push(t.to_string());
         }
         argv.push("--".into());
-        argv.push(text.to_string());
+        argv.push("-".into());
         argv
     }
 
     async fn turn(&self, spec: &SessionSpec, text: &str, timeout: Duration) -> TurnEnd {
         let cwd = spec.cwd.clone().unwrap_or_else(|| self.data_dir.clone());
-        let argv = self.argv(spec, &cwd, text);
-        let shown = format!(
-            "{} {}",
-            self.bin.display(),
-            argv[..argv.len() - 1].join(" ")
-        );
+        let argv = self.argv(spec, &cwd);
+        let shown = format!("{} {}", self.bin.display(), argv.join(" "));
         let mut child = match tokio::process::Command::new(&self.bin)
             .args(&argv)
             .current_dir(&cwd)
             .env("TURNSTILE_SESSION", spec.id.as_str())
             .env("TURNSTILE_TOKEN", &spec.token)
             .env("TURNSTILE_NATS_URL", &self.nats_url)
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
@@ -157,6 +156,15 @@ impl CodexAdapter {
         let mut tail = Tail::new(TAIL);
         if let Some(err) = child.stderr.take() {
             tail.follow(err);
+        }
+        // The message, then end of input (codex reads its prompt to EOF before it starts).
+        if let Some(mut stdin) = child.stdin.take() {
+            let text = text.to_string();
+            tokio::spawn(async move {
+                if let Err(e) = stdin.write_all(text.as_bytes()).await {
+                    tracing::debug!(error = %e, "write the message to codex");
+                }
+            });
         }
         let Some(out) = child.stdout.take() else {
             return TurnEnd::Failed {

@@ -83,6 +83,25 @@ async fn turns(stack: &mut Stack, model: &ModelServer) -> Result<()> {
         model::user_texts(&first)
     );
 
+    // A long message (200 KB, the most a message may be is 256 KiB) reaches it whole.
+    let long: String = (0..4000)
+        .map(|i| format!("line {i:05} of a long message, with \"quotes\" and -dashes-\n"))
+        .collect();
+    model.push(Reply::text("read it all"));
+    let t = stack.send(&s, &long).await?;
+    completed(&stack.wait_turn(&t, TURN).await?)?;
+    let last = model
+        .requests()
+        .last()
+        .cloned()
+        .context("a model request")?;
+    ensure!(
+        model::user_texts(&last)
+            .iter()
+            .any(|t| t.trim_end() == long.trim_end()),
+        "the long message reached the model whole"
+    );
+
     // A shell command that writes a file in the session's directory (inside the sandbox).
     model.push(Reply::tool(
         "exec_command",
@@ -180,7 +199,7 @@ async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<
         Ok((model.requests().len() > before).then_some(()))
     })
     .await?;
-    kill(&["exec", &cwd.to_string_lossy(), "think hard"]).await?;
+    kill(&["exec", "--json", &cwd.to_string_lossy()]).await?;
     let r = stack.wait_turn(&t, TURN).await?;
     let (reason, detail, _) = failed(&r)?;
     ensure!(reason == "agent_exited", "{reason}: {detail}");

@@ -17,7 +17,7 @@ use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::step_api::{
     Ended, ListSteps, Report, ReportAck, StartStep, StepKind, StepReport, StepStatus, StepWorkItem,
 };
-use turnstile_shared::{subjects, ExecutionId};
+use turnstile_shared::{subjects, ExecutionId, StepId};
 
 use crate::auth::{authenticate, same_secret, Identity};
 use crate::registry;
@@ -150,8 +150,16 @@ pub(super) async fn start(
         .await
         .map_err(ApiError::internal)?
     {
-        // A retry of the same start returns it; anything else is re-registration (R8).
+        // A retry of the same start returns it (and hands its work out again while nobody
+        // has taken it: the first attempt may have been cut off between its record and its
+        // work item; the item's id makes a repeat within the duplicate window a no-op, and a
+        // later one is refused at take); anything else is re-registration (R8).
         if existing.session == placement.session.id && existing.name == req.name {
+            if existing.status == ExecStatus::Queued {
+                if let Some(work) = existing.work.clone() {
+                    dispatch(&ctx, &existing, step.clone(), work).await?;
+                }
+            }
             return Ok(existing.redacted());
         }
         return Err(ApiError::new(
@@ -206,8 +214,20 @@ pub(super) async fn start(
             format!("execution {exec_id} was registered concurrently"),
         ));
     }
+    dispatch(&ctx, &record, step, work).await?;
+    Ok(record.redacted())
+}
+
+/// Hands a registered step's work to whoever runs it (its host's transport, a worker queue,
+/// the agent-step queue) and says so (`step.queued`).
+async fn dispatch(
+    ctx: &Ctx,
+    record: &ExecutionRecord,
+    step: StepId,
+    work: StepWork,
+) -> Result<(), ApiError> {
     let item = StepWorkItem {
-        step: step.clone(),
+        step,
         token: record.token.clone().unwrap_or_default(),
         session: record.session.clone(),
         name: record.name.clone(),
@@ -219,11 +239,13 @@ pub(super) async fn start(
         StepWork::Agent { .. } => subjects::STEP_AGENT.to_string(),
     };
     let env = item.envelope().map_err(ApiError::internal)?;
+    // Unavailable, not internal: the caller retries with the same step id, and the retry
+    // hands the work out again (see `start`).
     events::publish_durable(&ctx.js, subject, &env, None)
         .await
-        .map_err(ApiError::internal)?;
-    step_event(&ctx, &record, EventKind::StepQueued).await;
-    Ok(record.redacted())
+        .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))?;
+    step_event(ctx, record, EventKind::StepQueued).await;
+    Ok(())
 }
 
 pub(super) async fn report(
