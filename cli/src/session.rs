@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::Subcommand;
 use turnstile_shared::api::{self, CreateSession, ListSessions, SendTurn, SessionRef, SessionView};
 use turnstile_shared::duration;
@@ -51,12 +52,12 @@ pub enum SessionCommand {
         /// (a spinner's label); while it matches, the CLI is not ready.
         #[arg(long)]
         busy: Option<String>,
+        /// Agent `tmux`: the command to run, one string split like a shell's words (quotes
+        /// group, no expansion; no shell runs it), e.g. `--launch 'aider --no-auto-commits'`.
+        #[arg(long, allow_hyphen_values = true)]
+        launch: Option<String>,
         #[arg(long)]
         json: bool,
-        /// Agent `tmux`: the command to run, after `--` (no shell), e.g.
-        /// `-- aider --no-auto-commits`.
-        #[arg(last = true)]
-        launch: Vec<String>,
     },
     /// List sessions with their lane state.
     List {
@@ -104,18 +105,20 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
             allow_tool,
             ready,
             busy,
-            json,
             launch,
+            json,
         } => {
-            let launch = match (launch.is_empty(), ready) {
-                (true, None) if busy.is_none() => None,
-                (false, Some(ready)) => Some(LaunchSpec {
-                    argv: launch,
+            let launch = match (launch, ready) {
+                (None, None) if busy.is_none() => None,
+                (Some(command), Some(ready)) => Some(LaunchSpec {
+                    argv: shlex::split(&command).with_context(|| {
+                        format!("--launch {command:?}: an unclosed quote or a stray backslash")
+                    })?,
                     ready,
                     busy,
                 }),
                 _ => anyhow::bail!(
-                    "a tmux session needs its command after `--` and --ready (and optionally --busy)"
+                    "a tmux session needs --launch COMMAND and --ready REGEX (and optionally --busy REGEX)"
                 ),
             };
             let policy = match (allow, allow_tool.is_empty()) {

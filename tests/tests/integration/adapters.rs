@@ -22,17 +22,27 @@ async fn generic_tmux_adapter_drives_any_cli_by_its_prompt() -> Result<()> {
 }
 
 async fn generic(stack: &mut Stack) -> Result<()> {
-    // Created the way a user would: `turnstile session create --agent tmux --ready REGEX
-    // --busy REGEX -- <command>`.
-    let state = stack.dir.path().join("generic-cli");
+    // Created the way a user would: `turnstile session create --agent tmux --launch COMMAND
+    // --ready REGEX --busy REGEX`.
+    let state = stack.dir.path().join("generic cli");
     let turnstile = turnstile_tests::bin_path("turnstile")?;
+    // One string, split like a shell's words: the quotes keep the path with a space whole.
+    let launch = format!(
+        "{} mock-agent --state-dir '{}'",
+        turnstile.display(),
+        state.display()
+    );
     let create = |ready: &'static str| {
         let mut cmd = tokio::process::Command::new(&turnstile);
         cmd.args(["session", "create", "--agent", "tmux", "--name", "any-cli"])
-            .args(["--ready", ready, "--busy", "work(ing|s)…", "--"])
-            .arg(&turnstile)
-            .args(["mock-agent", "--state-dir"])
-            .arg(&state)
+            .args([
+                "--ready",
+                ready,
+                "--busy",
+                "work(ing|s)…",
+                "--launch",
+                &launch,
+            ])
             .envs(stack.env_as("cli"));
         cmd
     };
