@@ -200,6 +200,20 @@ pub async fn call<Req: Serialize, Resp: DeserializeOwned>(
     }
 }
 
+/// A store error as an API error: the store being unreachable or contended is `unavailable`
+/// (a caller retries, e.g. right after a partition healed, when a rejoined node does not map
+/// the bucket's subjects yet); a record this build cannot read or write is `internal`.
+impl From<crate::kv::KvError> for ApiError {
+    fn from(e: crate::kv::KvError) -> Self {
+        match e {
+            crate::kv::KvError::Nats { .. } | crate::kv::KvError::Contended { .. } => {
+                ApiError::new(ErrorCode::Unavailable, e.to_string())
+            }
+            other => ApiError::internal(other),
+        }
+    }
+}
+
 /// How an idempotent call is retried: a fresh attempt soon after a transient failure.
 const IDEMPOTENT_RETRY: crate::retry::Backoff =
     crate::retry::Backoff::new(Duration::from_millis(250), Duration::from_secs(2));

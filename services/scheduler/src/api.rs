@@ -77,7 +77,7 @@ async fn get(ctx: &Ctx, name: &str) -> Result<ScheduleRecord, ApiError> {
         .schedules
         .get::<ScheduleRecord>(name)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .map(|(r, _)| r)
         .ok_or_else(|| ApiError::not_found(format!("no schedule {name:?}")))
 }
@@ -107,7 +107,7 @@ async fn add(ctx: Arc<Ctx>, spec: ScheduleSpec) -> Result<ScheduleRecord, ApiErr
         .sessions
         .get::<SessionRecord>(spec.session.as_str())
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .map(|(r, _)| r)
         .ok_or_else(|| ApiError::not_found(format!("no session {}", spec.session)))?;
     if !session.is_active() {
@@ -131,7 +131,7 @@ async fn add(ctx: Arc<Ctx>, spec: ScheduleSpec) -> Result<ScheduleRecord, ApiErr
         .schedules
         .create(&spec.name, &record)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .is_none()
     {
         return Err(ApiError::new(
@@ -149,7 +149,7 @@ async fn list(ctx: Arc<Ctx>, _req: ListSchedules) -> Result<Vec<ScheduleRecord>,
         .schedules
         .values::<ScheduleRecord>()
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     all.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
     Ok(all)
 }
@@ -191,7 +191,7 @@ async fn slots_of(ctx: &Ctx, name: &str) -> Result<Vec<SlotRecord>, ApiError> {
             .slots
             .get::<SlotRecord>(k)
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::from)?
         {
             out.push(r);
         }
@@ -273,7 +273,7 @@ async fn backfill(ctx: Arc<Ctx>, req: Backfill) -> Result<Vec<SlotRecord>, ApiEr
             .slots
             .get::<SlotRecord>(&key)
             .await
-            .map_err(ApiError::internal)?;
+            .map_err(ApiError::from)?;
         if existing.is_none() {
             fire(&ctx, &s, slot, Utc::now()).await.map_err(tick)?;
         }
@@ -282,7 +282,7 @@ async fn backfill(ctx: Arc<Ctx>, req: Backfill) -> Result<Vec<SlotRecord>, ApiEr
             .slots
             .get::<SlotRecord>(&key)
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::from)?
         {
             out.push(r);
         }

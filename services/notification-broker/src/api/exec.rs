@@ -26,7 +26,7 @@ async fn within_reach(
         Principal::Session(s) => record.session == *s || record.may_receive(s),
         Principal::Step(step) => registry::get(ctx, &ExecutionId::from(step))
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::from)?
             .is_some_and(|own| own.session == record.session),
     })
 }
@@ -41,7 +41,7 @@ async fn reachable(
     let missing = || ApiError::not_found(format!("no execution {id}"));
     let record = registry::get(ctx, id)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .ok_or_else(missing)?;
     if within_reach(ctx, principal, &record).await? {
         Ok(record)
@@ -59,7 +59,7 @@ pub(super) async fn tree(
     reachable(&ctx, &principal, &req.id).await?;
     registry::tree(&ctx, &req.id)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .ok_or_else(|| ApiError::not_found(format!("no execution {}", req.id)))
 }
 

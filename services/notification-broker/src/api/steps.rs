@@ -48,13 +48,13 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
                 .turns
                 .get::<TurnRecord>(turn.as_str())
                 .await
-                .map_err(ApiError::internal)?
+                .map_err(ApiError::from)?
                 .map(|(r, _)| r)
                 .filter(|r| r.session == session.id && matches!(r.state, TurnState::Running { .. }))
                 .ok_or_else(|| no_turn(&session.id))?;
             let parent = registry::mirror_turn(ctx, &record)
                 .await
-                .map_err(ApiError::internal)?
+                .map_err(ApiError::from)?
                 .ok_or_else(|| no_turn(&session.id))?;
             let (owner, watchers) = match scope {
                 Scope::Detached => (None, vec![session.id.clone()]),
@@ -79,7 +79,7 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
                 .sessions
                 .get::<SessionRecord>(parent.session.as_str())
                 .await
-                .map_err(ApiError::internal)?
+                .map_err(ApiError::from)?
                 .map(|(r, _)| r)
                 .ok_or_else(|| ApiError::not_found(format!("no session {}", parent.session)))?;
             let (owner, watchers) = match scope {
@@ -148,7 +148,7 @@ pub(super) async fn start(
     let exec_id = ExecutionId::from(&step);
     if let Some(existing) = registry::get(&ctx, &exec_id)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
     {
         // A retry of the same start returns it (and hands its work out again while nobody
         // has taken it: the first attempt may have been cut off between its record and its
@@ -201,13 +201,13 @@ pub(super) async fn start(
     // by the tree walk), never a child its parent does not know.
     registry::add_child(&ctx, &placement.parent.id, &exec_id)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     let created = ctx
         .buckets
         .executions
         .create(exec_id.as_str(), &record)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     if created.is_none() {
         return Err(ApiError::new(
             ErrorCode::ForeignExecution,
@@ -261,7 +261,7 @@ pub(super) async fn report(
     };
     let record = registry::get(&ctx, &exec_id)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     let authentic = record
         .as_ref()
         .and_then(|r| r.token.as_deref())
@@ -367,7 +367,7 @@ async fn started(
             _ => Change::Keep,
         })
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .ok_or_else(|| ApiError::not_found(format!("no step {}", record.id)))?;
     match &next.status {
         ExecStatus::Running {
@@ -409,7 +409,7 @@ async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, Api
             None => Change::Keep,
         })
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     // Progress for a run waiting on this step (R10): core NATS, nothing kept.
     let payload = serde_json::to_vec(&json!({ "execution": record.id })).unwrap_or_default();
     for s in std::iter::once(&record.session).chain(record.targets().iter()) {
@@ -435,7 +435,7 @@ pub(super) async fn status(
     let identity = authenticate(&ctx, &principal, &req.caller, "step status").await?;
     let record = registry::get(&ctx, &ExecutionId::from(&req.step))
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .ok_or_else(|| ApiError::not_found(format!("no step {}", req.step)))?;
     let visible = match &identity {
         Identity::Session(s) => record.session == s.id || record.may_receive(&s.id),
@@ -463,7 +463,7 @@ pub(super) async fn list(
         .executions
         .values::<ExecutionRecord>()
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .into_iter()
         .filter(|r| r.kind == ExecKind::Step && (r.session == session || r.may_receive(&session)))
         .map(|r| r.redacted())

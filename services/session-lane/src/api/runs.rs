@@ -52,7 +52,7 @@ pub(super) async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord,
         .runs
         .create(id.as_str(), &record)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
     {
         Some(_) => record,
         None => {
@@ -61,7 +61,7 @@ pub(super) async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord,
                 .runs
                 .get::<RunRecord>(id.as_str())
                 .await
-                .map_err(ApiError::internal)?
+                .map_err(ApiError::from)?
                 .map(|(r, _)| r)
                 .ok_or_else(|| ApiError::internal("run vanished"))?;
             if existing.session != session.id {
@@ -99,7 +99,7 @@ pub(super) async fn show_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, Ap
         .runs
         .get::<RunRecord>(req.run.as_str())
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .map(|(r, _)| r)
         .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))
 }
@@ -114,7 +114,7 @@ pub(super) async fn list_runs(
         .runs
         .values::<RunRecord>()
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .into_iter()
         .filter(|r| req.schedule.is_none() || r.schedule == req.schedule)
         .collect();
@@ -158,7 +158,7 @@ pub(super) async fn cancel_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, 
             None => Change::Keep,
         })
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
     if let Err(e) = ctx
         .client
@@ -180,7 +180,7 @@ pub(super) async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, A
         .runs
         .get::<RunRecord>(req.run.as_str())
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .map(|(r, _)| r)
         .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
     let RunState::Failed { message_index, .. } = current.state else {
@@ -206,7 +206,7 @@ pub(super) async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, A
             .turns
             .get::<TurnRecord>(t.as_str())
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::from)?
             .is_some_and(|(r, _)| matches!(r.state, TurnState::Failed { .. })),
         None => false,
     };
@@ -229,7 +229,7 @@ pub(super) async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, A
             _ => Change::Keep,
         })
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
     let item = LaneItem::Run(RunItem {
         run: next.id.clone(),

@@ -27,7 +27,7 @@ async fn live_hosts(ctx: &Ctx) -> Result<Vec<HostRecord>, ApiError> {
         .hosts
         .values::<HostRecord>()
         .await
-        .map_err(ApiError::internal)
+        .map_err(ApiError::from)
 }
 
 /// The live host with the fewest active sessions, unless the caller pinned one.
@@ -47,7 +47,7 @@ async fn place(ctx: &Ctx, pinned: Option<HostName>) -> Result<HostName, ApiError
         .sessions
         .values::<SessionRecord>()
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     hosts
         .into_iter()
         .map(|h| {
@@ -80,7 +80,7 @@ pub(super) async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionR
             .sessions
             .get::<SessionRecord>(id.as_str())
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::from)?
         {
             if existing.name == name {
                 return Ok(existing.redacted());
@@ -138,7 +138,7 @@ pub(super) async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionR
         .sessions
         .create(record.id.as_str(), &record)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     let start = StartCommand {
         session: record.id.clone(),
     };
@@ -194,7 +194,7 @@ pub(super) async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, Api
         .turns
         .create(turn.as_str(), &record)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
     {
         Some(_) => record,
         // A retry of the same turn id: idempotent, as long as it is the same session's.
@@ -246,7 +246,7 @@ pub(super) async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord
             _ => Change::Keep,
         })
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
         .ok_or_else(|| ApiError::not_found(format!("no session {}", req.session)))?;
     let stop = StopCommand {
         session: record.id.clone(),
@@ -348,7 +348,7 @@ pub(super) async fn list(ctx: Arc<Ctx>, _req: ListSessions) -> Result<Vec<Sessio
         .sessions
         .values::<SessionRecord>()
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     sessions.sort_by_key(|s| s.created_at);
     let hosts = live_hosts(&ctx).await?;
     let mut out = Vec::with_capacity(sessions.len());
@@ -447,7 +447,7 @@ pub(super) async fn hosts(
         .sessions
         .values::<SessionRecord>()
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     Ok(live
         .into_iter()
         .map(|h| turnstile_shared::api::HostView {
