@@ -51,12 +51,6 @@ enum Last {
     Removed(u64),
 }
 
-/// How a create that failed for another reason than the key's revision is tried again.
-const WRITE_RETRY: crate::retry::Backoff = crate::retry::Backoff::new(
-    std::time::Duration::from_millis(100),
-    std::time::Duration::from_secs(1),
-);
-
 /// What a compare-and-set closure decides for the current value.
 pub enum Change<T> {
     Write(T),
@@ -167,50 +161,34 @@ impl Bucket {
     ///
     /// A write refused for its expected revision means something is there: the current entry
     /// (read from the leader on a replicated bucket) tells a value (`None`) from a delete
-    /// marker, which is written over at its revision. A write that fails otherwise (a stream
-    /// leader being elected, a node that just rejoined) is tried again, bounded.
+    /// marker, which is written over at its revision. Any other failure is the caller's to
+    /// retry (API callers see it as `unavailable`).
     pub async fn create<T: Serialize>(&self, key: &str, value: &T) -> Result<Option<u64>, KvError> {
-        const ATTEMPTS: u32 = 6;
+        const ATTEMPTS: u32 = 5;
         let bytes = self.encode(key, value)?;
-        let mut delays = WRITE_RETRY.delays();
         let mut expected = 0;
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let refused = match self.store.update(key, bytes.clone(), expected).await {
+        for attempt in 1..=ATTEMPTS {
+            match self.store.update(key, bytes.clone(), expected).await {
                 Ok(rev) => return Ok(Some(rev)),
                 Err(e)
                     if e.kind() == UpdateErrorKind::WrongLastRevision
-                        || crate::js_codes::is_wrong_last_sequence(&e) =>
-                {
-                    None
-                }
-                Err(e) => Some(e),
-            };
-            if attempt >= ATTEMPTS {
-                return match refused {
-                    Some(e) => Err(self.nats("create", key, e)),
-                    // The leader keeps saying something is there; only the read lags.
-                    None => Ok(None),
-                };
+                        || crate::js_codes::is_wrong_last_sequence(&e) => {}
+                Err(e) => return Err(self.nats("create", key, e)),
             }
-            if let Some(e) = refused {
-                tracing::debug!(bucket = %self.name, key, error = %e, "create; retrying");
-                delays.wait().await;
-                continue;
-            }
-            match self.last(key).await {
-                Ok(Some(Last::Value(_, _))) => return Ok(None),
-                Ok(Some(Last::Removed(revision))) => expected = revision,
-                // Absent again: a follower's lagging read, or purged meanwhile.
-                Ok(None) => {
+            match self.last(key).await? {
+                Some(Last::Value(_, _)) => return Ok(None),
+                Some(Last::Removed(revision)) => expected = revision,
+                // Absent again: purged meanwhile (or, on a bucket read by direct get, a
+                // lagging read): try again from scratch, briefly.
+                None => {
                     expected = 0;
-                    delays.wait().await;
+                    tokio::time::sleep(std::time::Duration::from_millis(10 * u64::from(attempt)))
+                        .await;
                 }
-                Err(e) if attempt + 1 >= ATTEMPTS => return Err(e),
-                Err(_) => delays.wait().await,
             }
         }
+        // The stream keeps saying something is there; only the read disagrees.
+        Ok(None)
     }
 
     /// Writes only if the key is still at `revision`; `Ok(None)` when someone wrote first.

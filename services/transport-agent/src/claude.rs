@@ -37,9 +37,6 @@ use crate::tail::{exit_status, Tail};
 
 /// Lines of stderr kept as evidence.
 const TAIL: usize = 20;
-/// How long a fresh process must stay up to count as started (a bad `--resume` exits at once;
-/// a later exit before the turn's `system/init` is caught by the turn itself).
-const START_GRACE: Duration = Duration::from_millis(300);
 /// The MCP server name the session's config gives Turnstile (`credentials.rs`).
 const MCP_SERVER: &str = "turnstile";
 
@@ -146,15 +143,8 @@ impl ClaudeAdapter {
         });
         let mut tail = Tail::new(TAIL);
         tail.follow(stderr);
-        // A resume of an unknown conversation exits at once: give it a moment to.
-        tokio::time::sleep(START_GRACE).await;
-        if let Ok(Some(status)) = child.try_wait() {
-            let lines = tail.lines().await;
-            return Err(unavailable(
-                format!("`{command_line}` exited at start ({status})"),
-                lines,
-            ));
-        }
+        // No wait here for it to prove itself: a process that ends before it ever starts a
+        // turn (a bad `--resume` exits within a second) is told apart by the turn itself.
         let proc = Arc::new(AsyncMutex::new(Proc {
             child,
             stdin,
@@ -209,6 +199,9 @@ async fn turn(proc: &mut Proc, text: &str, timeout: Duration) -> TurnEnd {
         proc.stdin.flush().await
     };
     if let Err(e) = write.await {
+        if !proc.started {
+            return not_started(proc, Vec::new()).await;
+        }
         return exited(proc, format!("write the message: {e}")).await;
     }
     let deadline = tokio::time::Instant::now() + timeout;

@@ -11,9 +11,13 @@ use anyhow::{ensure, Context, Result};
 use serde_json::json;
 use turnstile_shared::policy::Policy;
 use turnstile_shared::records::AgentKind;
-use turnstile_tests::model::{self, Api, ModelServer, Reply};
+use turnstile_tests::model::{Api, ModelServer, Reply};
 
-use crate::real_cli::{completed, failed, kill, session, walk, workdir, TURN};
+use crate::real_cli::{
+    a_killed_cli_ends_its_turn_and_the_next_resumes, a_step_is_handed_over,
+    an_api_refusal_is_an_agent_error, completed, failed, kill, messages_reach_the_model, session,
+    step_arguments, walk, workdir, TURN,
+};
 use crate::stack::{report, Stack};
 
 /// The environment that runs the real `claude` against `model`, in a config directory of the
@@ -55,43 +59,7 @@ async fn turns(stack: &mut Stack, model: &ModelServer) -> Result<()> {
     let cwd = workdir(stack, "plain-dir")?;
     let s = session(stack, AgentKind::Claude, "claude-turns", &cwd, None).await?;
 
-    // A text reply, to a message that starts with `-` and holds quotes and a newline: it
-    // reaches the model verbatim.
-    let text = "-v --help \"quoted\" 'single'\nsecond line";
-    model.push(Reply::text("hello from the model"));
-    let t1 = stack.send(&s, text).await?;
-    let r1 = stack.wait_turn(&t1, TURN).await?;
-    ensure!(
-        completed(&r1)?.iter().any(|l| l == "hello from the model"),
-        "{:?}",
-        r1.state
-    );
-    let sent = model.requests();
-    let first = sent.first().context("a model request")?;
-    ensure!(
-        model::user_texts(first).iter().any(|t| t == text),
-        "the message reached the model verbatim: {:?}",
-        model::user_texts(first)
-    );
-
-    // A long message (200 KB, the most a message may be is 256 KiB) reaches it whole.
-    let long: String = (0..4000)
-        .map(|i| format!("line {i:05} of a long message, with \"quotes\" and -dashes-\n"))
-        .collect();
-    model.push(Reply::text("read it all"));
-    let t = stack.send(&s, &long).await?;
-    completed(&stack.wait_turn(&t, TURN).await?)?;
-    let last = model
-        .requests()
-        .last()
-        .cloned()
-        .context("a model request")?;
-    ensure!(
-        model::user_texts(&last)
-            .iter()
-            .any(|t| t.trim_end() == long.trim_end()),
-        "the long message reached the model whole"
-    );
+    messages_reach_the_model(stack, model, &s).await?;
 
     // A shell command that writes a file in the session's directory.
     model.push(Reply::tool(
@@ -104,31 +72,13 @@ async fn turns(stack: &mut Stack, model: &ModelServer) -> Result<()> {
     let made = std::fs::read_to_string(cwd.join("made.txt")).context("made.txt")?;
     ensure!(made.trim() == "made-by-claude", "{made:?}");
 
-    // The Turnstile start_step tool: the step runs on the host, and its result is handed over
-    // in the next turn, typed into the same conversation (R3, R4).
-    model.push(Reply::tool(
-        "mcp__turnstile__start_step",
-        json!({"name": "bg-build", "command": ["sh", "-c", "echo built"], "scope": "detached"}),
-    ));
-    model.push(Reply::text("started it"));
-    let t3 = stack.send(&s, "start a background build").await?;
-    completed(&stack.wait_turn(&t3, TURN).await?)?;
-    let started = model
-        .requests()
-        .iter()
-        .flat_map(model::tool_results)
-        .find(|r| r.contains("started step"))
-        .context("start_step answered the model")?;
-    ensure!(started.contains("bg-build"), "{started}");
-    // The delivery turn: the model sees the step's result as a user message.
-    turnstile_tests::wait_until("the step's result reaches the model", TURN, || async {
-        Ok(model
-            .requests()
-            .iter()
-            .flat_map(model::user_texts)
-            .any(|t| t.contains("bg-build") && t.contains("completed"))
-            .then_some(()))
-    })
+    // The Turnstile start_step tool, by its MCP name.
+    a_step_is_handed_over(
+        stack,
+        model,
+        &s,
+        Reply::tool("mcp__turnstile__start_step", step_arguments()),
+    )
     .await?;
     // One conversation throughout, resumed by id.
     let record = stack.session_record(&s).await?;
@@ -150,16 +100,7 @@ async fn claude_refusals_bad_resumes_and_kills_end_turns_with_the_clis_own_evide
 }
 
 async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<()> {
-    // The model API refuses the request: the turn fails `agent_error`, with the API's words.
-    let cwd = workdir(stack, "api-error")?;
-    let s = session(stack, AgentKind::Claude, "api-error", &cwd, None).await?;
-    model.push(Reply::Refuse("scripted refusal: prompt too long".into()));
-    let t = stack.send(&s, "anything").await?;
-    let r = stack.wait_turn(&t, TURN).await?;
-    let (reason, detail, output) = failed(&r)?;
-    ensure!(reason == "agent_error", "{reason}: {detail}");
-    let evidence = format!("{detail}\n{}", output.join("\n"));
-    ensure!(evidence.contains("scripted refusal"), "{evidence}");
+    an_api_refusal_is_an_agent_error(stack, model, AgentKind::Claude).await?;
 
     // A tool call the policy does not allow: refused at once, and the turn says so.
     let cwd = workdir(stack, "no-shell")?;
@@ -189,44 +130,9 @@ async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<
     // The CLI killed mid-turn (its model still thinking): `agent_exited`, with its exit.
     let cwd = workdir(stack, "killed")?;
     let s = session(stack, AgentKind::Claude, "claude-killed", &cwd, None).await?;
-    model.push(Reply::text("first"));
-    let t = stack.send(&s, "hello").await?;
-    completed(&stack.wait_turn(&t, TURN).await?)?;
-    let before = model.requests().len();
-    model.push(Reply::Stall);
-    let t = stack.send(&s, "think hard").await?;
-    turnstile_tests::wait_until("the stalled model request", TURN, || async {
-        Ok((model.requests().len() > before).then_some(()))
-    })
-    .await?;
-    kill(&[&format!("{s}.mcp.json"), "stream-json"]).await?;
-    let r = stack.wait_turn(&t, TURN).await?;
-    let (reason, detail, _) = failed(&r)?;
-    ensure!(reason == "agent_exited", "{reason}: {detail}");
-    ensure!(detail.contains("exit"), "{detail}");
-    // The next turn resumes the conversation in a new process.
-    model.push(Reply::text("back again"));
-    let t = stack.send(&s, "still there?").await?;
-    let out = stack.wait_turn(&t, TURN).await?;
-    ensure!(
-        completed(&out)?.iter().any(|l| l == "back again"),
-        "{:?}",
-        out.state
-    );
-    let conversation = stack
-        .session_record(&s)
-        .await?
-        .conversation
-        .context("the conversation id")?;
-    let resumed = model
-        .requests()
-        .last()
-        .map(model::user_texts)
-        .unwrap_or_default();
-    ensure!(
-        resumed.iter().any(|t| t == "hello"),
-        "the resumed conversation holds the first message: {resumed:?}"
-    );
+    let marks = [&format!("{s}.mcp.json"), "stream-json"];
+    let conversation =
+        a_killed_cli_ends_its_turn_and_the_next_resumes(stack, model, &s, &marks).await?;
 
     // A resume of a conversation the CLI no longer knows (its state wiped while the process
     // was down): the turn fails as a start-up failure, with the CLI's own words. The process
@@ -238,11 +144,11 @@ async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<
         Ok((model.requests().len() > before).then_some(()))
     })
     .await?;
-    kill(&[&format!("{s}.mcp.json"), "stream-json"]).await?;
+    kill(&marks).await?;
     failed(&stack.wait_turn(&t, TURN).await?)?;
     let projects = dir.join("claude-config").join("projects");
     for f in walk(&projects)? {
-        if f.to_string_lossy().contains(&conversation.to_string()) {
+        if f.to_string_lossy().contains(conversation.as_str()) {
             std::fs::remove_file(&f)?;
         }
     }
@@ -255,7 +161,7 @@ async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<
     );
     let evidence = format!("{detail}\n{}", output.join("\n"));
     ensure!(
-        evidence.contains("No conversation found") && evidence.contains(&conversation.to_string()),
+        evidence.contains("No conversation found") && evidence.contains(conversation.as_str()),
         "{evidence}"
     );
     Ok(())

@@ -11,9 +11,13 @@ use anyhow::{ensure, Context, Result};
 use serde_json::json;
 use turnstile_shared::policy::Policy;
 use turnstile_shared::records::AgentKind;
-use turnstile_tests::model::{self, Api, ModelServer, Reply};
+use turnstile_tests::model::{Api, ModelServer, Reply};
 
-use crate::real_cli::{completed, failed, kill, session, walk, workdir, TURN};
+use crate::real_cli::{
+    a_killed_cli_ends_its_turn_and_the_next_resumes, a_step_is_handed_over,
+    an_api_refusal_is_an_agent_error, completed, failed, messages_reach_the_model, session,
+    step_arguments, walk, workdir, TURN,
+};
 use crate::stack::{report, Stack};
 
 /// The environment that runs the real `codex` against `model`: a `CODEX_HOME` of the test's
@@ -62,45 +66,7 @@ async fn turns(stack: &mut Stack, model: &ModelServer) -> Result<()> {
     let cwd = workdir(stack, "plain-dir")?;
     let s = session(stack, AgentKind::Codex, "codex-turns", &cwd, None).await?;
 
-    // A text reply, to a message that starts with `-`: it reaches the model verbatim.
-    let text = "-v --help \"quoted\" 'single'\nsecond line";
-    model.push(Reply::text("hello from the model"));
-    let t1 = stack.send(&s, text).await?;
-    let r1 = stack.wait_turn(&t1, TURN).await?;
-    ensure!(
-        completed(&r1)?.iter().any(|l| l == "hello from the model"),
-        "{:?}",
-        r1.state
-    );
-    let first = model
-        .requests()
-        .first()
-        .cloned()
-        .context("a model request")?;
-    ensure!(
-        model::user_texts(&first).iter().any(|t| t == text),
-        "the message reached the model verbatim: {:?}",
-        model::user_texts(&first)
-    );
-
-    // A long message (200 KB, the most a message may be is 256 KiB) reaches it whole.
-    let long: String = (0..4000)
-        .map(|i| format!("line {i:05} of a long message, with \"quotes\" and -dashes-\n"))
-        .collect();
-    model.push(Reply::text("read it all"));
-    let t = stack.send(&s, &long).await?;
-    completed(&stack.wait_turn(&t, TURN).await?)?;
-    let last = model
-        .requests()
-        .last()
-        .cloned()
-        .context("a model request")?;
-    ensure!(
-        model::user_texts(&last)
-            .iter()
-            .any(|t| t.trim_end() == long.trim_end()),
-        "the long message reached the model whole"
-    );
+    messages_reach_the_model(stack, model, &s).await?;
 
     // A shell command that writes a file in the session's directory (inside the sandbox).
     model.push(Reply::tool(
@@ -113,31 +79,13 @@ async fn turns(stack: &mut Stack, model: &ModelServer) -> Result<()> {
     let made = std::fs::read_to_string(cwd.join("made.txt")).context("made.txt")?;
     ensure!(made.trim() == "made-by-codex", "{made:?}");
 
-    // The Turnstile start_step tool (an MCP tool: namespace `mcp__turnstile`): the step runs
-    // on the host, and its result is handed over in the next turn of the same thread.
-    model.push(Reply::namespaced(
-        "mcp__turnstile",
-        "start_step",
-        json!({"name": "bg-build", "command": ["sh", "-c", "echo built"], "scope": "detached"}),
-    ));
-    model.push(Reply::text("started it"));
-    let t3 = stack.send(&s, "start a background build").await?;
-    completed(&stack.wait_turn(&t3, TURN).await?)?;
-    let started = model
-        .requests()
-        .iter()
-        .flat_map(model::tool_results)
-        .find(|r| r.contains("started step"))
-        .context("start_step answered the model")?;
-    ensure!(started.contains("bg-build"), "{started}");
-    turnstile_tests::wait_until("the step's result reaches the model", TURN, || async {
-        Ok(model
-            .requests()
-            .iter()
-            .flat_map(model::user_texts)
-            .any(|t| t.contains("bg-build") && t.contains("completed"))
-            .then_some(()))
-    })
+    // The Turnstile start_step tool (an MCP tool: namespace `mcp__turnstile`).
+    a_step_is_handed_over(
+        stack,
+        model,
+        &s,
+        Reply::namespaced("mcp__turnstile", "start_step", step_arguments()),
+    )
     .await?;
     Ok(())
 }
@@ -153,16 +101,7 @@ async fn codex_refusals_kills_and_lost_threads_end_turns_with_the_clis_own_evide
 }
 
 async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<()> {
-    // The model API refuses the request: the turn fails `agent_error`, with the API's words.
-    let cwd = workdir(stack, "api-error")?;
-    let s = session(stack, AgentKind::Codex, "api-error", &cwd, None).await?;
-    model.push(Reply::Refuse("scripted refusal: prompt too long".into()));
-    let t = stack.send(&s, "anything").await?;
-    let r = stack.wait_turn(&t, TURN).await?;
-    let (reason, detail, output) = failed(&r)?;
-    ensure!(reason == "agent_error", "{reason}: {detail}");
-    let evidence = format!("{detail}\n{}", output.join("\n"));
-    ensure!(evidence.contains("scripted refusal"), "{evidence}");
+    an_api_refusal_is_an_agent_error(stack, model, AgentKind::Codex).await?;
 
     // A command the policy does not allow (no edits, no shell: a read-only sandbox).
     let cwd = workdir(stack, "read-only")?;
@@ -189,47 +128,17 @@ async fn failures(stack: &mut Stack, model: &ModelServer, dir: &Path) -> Result<
     // The CLI killed mid-turn (its model still thinking): `agent_exited`.
     let cwd = workdir(stack, "killed")?;
     let s = session(stack, AgentKind::Codex, "codex-killed", &cwd, None).await?;
-    model.push(Reply::text("first"));
-    let t = stack.send(&s, "hello").await?;
-    completed(&stack.wait_turn(&t, TURN).await?)?;
-    let before = model.requests().len();
-    model.push(Reply::Stall);
-    let t = stack.send(&s, "think hard").await?;
-    turnstile_tests::wait_until("the stalled model request", TURN, || async {
-        Ok((model.requests().len() > before).then_some(()))
-    })
+    let cwd_text = cwd.to_string_lossy();
+    let thread = a_killed_cli_ends_its_turn_and_the_next_resumes(
+        stack,
+        model,
+        &s,
+        &["exec", "--json", &cwd_text],
+    )
     .await?;
-    kill(&["exec", "--json", &cwd.to_string_lossy()]).await?;
-    let r = stack.wait_turn(&t, TURN).await?;
-    let (reason, detail, _) = failed(&r)?;
-    ensure!(reason == "agent_exited", "{reason}: {detail}");
-    // The next turn resumes the thread.
-    model.push(Reply::text("back again"));
-    let t = stack.send(&s, "still there?").await?;
-    let out = stack.wait_turn(&t, TURN).await?;
-    ensure!(
-        completed(&out)?.iter().any(|l| l == "back again"),
-        "{:?}",
-        out.state
-    );
-    let resumed = model
-        .requests()
-        .last()
-        .map(model::user_texts)
-        .unwrap_or_default();
-    ensure!(
-        resumed.iter().any(|t| t == "hello"),
-        "the resumed thread holds the first message: {resumed:?}"
-    );
 
     // A resume of a thread codex no longer has (its state wiped): a start-up failure, with
     // codex's own words.
-    let thread = stack
-        .session_record(&s)
-        .await?
-        .conversation
-        .context("the thread id")?
-        .to_string();
     for f in walk(&dir.join("codex-home").join("sessions"))? {
         if f.to_string_lossy().contains(&thread) {
             std::fs::remove_file(&f)?;

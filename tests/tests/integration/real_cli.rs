@@ -11,12 +11,150 @@ use turnstile_shared::api::CreateSession;
 use turnstile_shared::policy::Policy;
 use turnstile_shared::records::{AgentKind, TurnRecord, TurnState};
 use turnstile_shared::SessionId;
-use turnstile_tests::model::{Api, ModelServer, Reply};
+use turnstile_tests::model::{self, Api, ModelServer, Reply};
 
 use crate::stack::{report, Stack};
 
 /// How long one turn of a real CLI (against the local scripted model) may take.
 pub const TURN: Duration = Duration::from_secs(60);
+
+/// A message that starts with `-` and holds quotes and a newline reaches the model verbatim,
+/// and a 200 KB one (the most a message may be is 256 KiB) reaches it whole.
+pub async fn messages_reach_the_model(
+    stack: &Stack,
+    model: &ModelServer,
+    s: &SessionId,
+) -> Result<()> {
+    let text = "-v --help \"quoted\" 'single'\nsecond line";
+    let long: String = (0..4000)
+        .map(|i| format!("line {i:05} of a long message, with \"quotes\" and -dashes-\n"))
+        .collect();
+    for (message, reply) in [
+        (text.to_string(), "hello from the model"),
+        (long, "read it all"),
+    ] {
+        model.push(Reply::text(reply));
+        let t = stack.send(s, &message).await?;
+        let r = stack.wait_turn(&t, TURN).await?;
+        ensure!(completed(&r)?.iter().any(|l| l == reply), "{:?}", r.state);
+        let sent = model
+            .requests()
+            .last()
+            .cloned()
+            .context("a model request")?;
+        ensure!(
+            model::user_texts(&sent)
+                .iter()
+                .any(|t| t.trim_end() == message.trim_end()),
+            "the message ({} bytes) reached the model as it was sent",
+            message.len()
+        );
+    }
+    Ok(())
+}
+
+/// The model calls the Turnstile `start_step` tool (`call`, in the CLI's own form): the step
+/// runs on the host, and its result is handed over in a later turn of the same conversation,
+/// where the model sees it (R3, R4).
+pub async fn a_step_is_handed_over(
+    stack: &Stack,
+    model: &ModelServer,
+    s: &SessionId,
+    call: Reply,
+) -> Result<()> {
+    model.push(call);
+    model.push(Reply::text("started it"));
+    let t = stack.send(s, "start a background build").await?;
+    completed(&stack.wait_turn(&t, TURN).await?)?;
+    let started = model
+        .requests()
+        .iter()
+        .flat_map(model::tool_results)
+        .find(|r| r.contains("started step"))
+        .context("start_step answered the model")?;
+    ensure!(started.contains("bg-build"), "{started}");
+    turnstile_tests::wait_until("the step's result reaches the model", TURN, || async {
+        Ok(model
+            .requests()
+            .iter()
+            .flat_map(model::user_texts)
+            .any(|t| t.contains("bg-build") && t.contains("completed"))
+            .then_some(()))
+    })
+    .await
+}
+
+/// The `start_step` arguments both CLIs' tool calls carry.
+pub fn step_arguments() -> serde_json::Value {
+    serde_json::json!({"name": "bg-build", "command": ["sh", "-c", "echo built"], "scope": "detached"})
+}
+
+/// The model API refuses the request: the turn fails `agent_error`, with the API's words.
+pub async fn an_api_refusal_is_an_agent_error(
+    stack: &Stack,
+    model: &ModelServer,
+    agent: AgentKind,
+) -> Result<()> {
+    let cwd = workdir(stack, "api-error")?;
+    let s = session(stack, agent, "api-error", &cwd, None).await?;
+    model.push(Reply::Refuse("scripted refusal: prompt too long".into()));
+    let t = stack.send(&s, "anything").await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, output) = failed(&r)?;
+    ensure!(reason == "agent_error", "{reason}: {detail}");
+    let evidence = format!("{detail}\n{}", output.join("\n"));
+    ensure!(evidence.contains("scripted refusal"), "{evidence}");
+    Ok(())
+}
+
+/// The CLI process (found by `marks` on its command line) is SIGKILLed while its model is
+/// still thinking: the turn fails `agent_exited`; the next turn resumes the conversation,
+/// which still holds the message before. Returns the conversation id.
+pub async fn a_killed_cli_ends_its_turn_and_the_next_resumes(
+    stack: &Stack,
+    model: &ModelServer,
+    s: &SessionId,
+    marks: &[&str],
+) -> Result<String> {
+    model.push(Reply::text("first"));
+    let t = stack.send(s, "hello").await?;
+    completed(&stack.wait_turn(&t, TURN).await?)?;
+    let before = model.requests().len();
+    model.push(Reply::Stall);
+    let t = stack.send(s, "think hard").await?;
+    turnstile_tests::wait_until("the stalled model request", TURN, || async {
+        Ok((model.requests().len() > before).then_some(()))
+    })
+    .await?;
+    kill(marks).await?;
+    let r = stack.wait_turn(&t, TURN).await?;
+    let (reason, detail, _) = failed(&r)?;
+    ensure!(reason == "agent_exited", "{reason}: {detail}");
+    ensure!(detail.contains("exit"), "{detail}");
+    model.push(Reply::text("back again"));
+    let t = stack.send(s, "still there?").await?;
+    let out = stack.wait_turn(&t, TURN).await?;
+    ensure!(
+        completed(&out)?.iter().any(|l| l == "back again"),
+        "{:?}",
+        out.state
+    );
+    let resumed = model
+        .requests()
+        .last()
+        .map(model::user_texts)
+        .unwrap_or_default();
+    ensure!(
+        resumed.iter().any(|t| t == "hello"),
+        "the resumed conversation holds the first message: {resumed:?}"
+    );
+    Ok(stack
+        .session_record(s)
+        .await?
+        .conversation
+        .context("the conversation id")?
+        .to_string())
+}
 
 /// A stack (one lane replica, host `h1`) whose services run with `env` added.
 pub async fn stack_with(env: &[(String, String)]) -> Result<Stack> {
