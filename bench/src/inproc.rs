@@ -52,6 +52,20 @@ pub fn start_transport(url: &str, dir: &std::path::Path) -> Result<Running> {
     Ok(Running { cancel, task })
 }
 
+pub fn start_scheduler(url: &str) -> Running {
+    let cancel = CancellationToken::new();
+    let config = turnstile_scheduler::Config::new(url);
+    let task = tokio::spawn({
+        let cancel = cancel.clone();
+        async move {
+            if let Err(e) = turnstile_scheduler::run(config, cancel).await {
+                eprintln!("scheduler: {e}");
+            }
+        }
+    });
+    Running { cancel, task }
+}
+
 pub fn start_broker(
     url: &str,
     callout: Option<turnstile_notification_broker::CalloutConfig>,
@@ -70,38 +84,42 @@ pub fn start_broker(
     Running { cancel, task }
 }
 
+/// Creates `n` instant-agent sessions, [`CREATE_CONCURRENCY`] requests at a time, as an
+/// operator's tooling would; in order of their names.
 pub async fn create_sessions(client: &async_nats::Client, n: usize) -> Result<Vec<SessionId>> {
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        let req = CreateSession {
-            agent: AgentKind::Instant,
-            name: format!("bench-{i}"),
-            host: None,
-            cwd: None,
-            id: None,
-            launch: None,
-            ready_timeout_ms: None,
-            policy: None,
-        };
-        let mut tries = 0;
-        let rec = loop {
-            match api::call::<_, SessionRecord>(
-                client,
-                subj::SESSION_CREATE,
-                &req,
-                Duration::from_secs(10),
-            )
+    use futures::{StreamExt, TryStreamExt};
+    futures::stream::iter(0..n)
+        .map(|i| create_session(client, i))
+        .buffered(CREATE_CONCURRENCY)
+        .try_collect()
+        .await
+}
+
+/// Session creates in flight at once.
+pub const CREATE_CONCURRENCY: usize = 32;
+
+async fn create_session(client: &async_nats::Client, i: usize) -> Result<SessionId> {
+    let req = CreateSession {
+        agent: AgentKind::Instant,
+        name: format!("bench-{i}"),
+        host: None,
+        cwd: None,
+        id: Some(SessionId::new()),
+        launch: None,
+        ready_timeout_ms: None,
+        policy: None,
+    };
+    let mut tries = 0;
+    loop {
+        match api::call::<_, SessionRecord>(client, subj::SESSION_CREATE, &req, Duration::from_secs(10))
             .await
-            {
-                Ok(r) => break r,
-                Err(e) if (e.code == ErrorCode::NoHost || e.code.is_transient()) && tries < 100 => {
-                    tries += 1;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => bail!("create session: {e}"),
+        {
+            Ok(r) => return Ok(r.id),
+            Err(e) if (e.code == ErrorCode::NoHost || e.code.is_transient()) && tries < 100 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-        };
-        out.push(rec.id);
+            Err(e) => bail!("create session: {e}"),
+        }
     }
-    Ok(out)
 }

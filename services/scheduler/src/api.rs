@@ -275,7 +275,7 @@ async fn backfill(ctx: Arc<Ctx>, req: Backfill) -> Result<Vec<SlotRecord>, ApiEr
             .await
             .map_err(ApiError::from)?;
         if existing.is_none() {
-            fire(&ctx, &s, slot, Utc::now()).await.map_err(tick)?;
+            fire(&ctx, &s, slot).await.map_err(tick)?;
         }
         if let Some((r, _)) = ctx
             .buckets

@@ -7,13 +7,15 @@
 //! [`run`] starts the API and the ticker on one shared `Ctx`. Calls go down this list, never up:
 //!
 //! * `api`: the `ts.api.schedules.*` service (add, list, show, ... delete). Calls `ticker`, `cron`.
-//! * `ticker`: the loop that claims due slots and fires their runs. Calls `plan`, `cron`.
+//! * `ticker`: the loop that claims due slots and fires their runs. Calls `table`, `plan`, `cron`.
+//! * `table`: the schedules as the ticker holds them (kept by a watch), due and wake times.
 //! * `plan`: what becomes of a due slot (skip, miss, fire, overlap), pure. Leaf.
 //! * `cron`: cron expressions in an IANA zone to slot instants (UTC), pure. Leaf.
 
 mod api;
 pub mod cron;
 pub mod plan;
+mod table;
 mod ticker;
 
 use std::sync::Arc;

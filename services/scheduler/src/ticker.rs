@@ -2,12 +2,18 @@
 //! run ends), then give every due slot its one record (R11). A slot is claimed by creating its
 //! record, so with several replicas each slot is decided once; the run it fires has an id
 //! derived from the slot, so starting it again after a crash is harmless (R14).
+//!
+//! The schedules are held in a [`Table`] kept by a watch on the bucket, and due schedules are
+//! handled concurrently (at most [`CONCURRENCY`] at once), each with one compare-and-set write
+//! of its record at the end: every step before it (claim, run start) is idempotent, so a crash
+//! midway only repeats them.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream::kv::{Operation, Watch};
 use chrono::{DateTime, Utc};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ApiError};
@@ -19,12 +25,15 @@ use turnstile_shared::{subjects, RunId};
 
 use crate::cron::CronSpec;
 use crate::plan::{decide, Decision, Situation};
+use crate::table::Table;
 use crate::Ctx;
 
 /// Longest sleep without looking (a missed wake-up costs at most this).
 const MAX_SLEEP: Duration = Duration::from_secs(30);
 /// Most slots handled in one pass of one schedule.
 const MAX_SLOTS: usize = 1000;
+/// Schedules handled at once in a pass.
+const CONCURRENCY: usize = 256;
 const API: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
@@ -40,134 +49,207 @@ pub(crate) enum TickError {
 }
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
-    // Wake-ups besides the timer: schedule changes and run ends (a buffered slot waits on one).
-    let mut changes = match ctx.buckets.schedules.store().watch_all().await {
-        Ok(w) => Some(w),
-        Err(e) => {
-            tracing::warn!(error = %e, "watch schedules; relying on the timer");
-            None
-        }
-    };
+    let mut table = Table::default();
+    let mut watch: Option<Watch> = None;
+    // Run ends wake a schedule holding a buffered slot.
     let mut run_ends = ctx.client.subscribe(subjects::ALL_RUN_EVENTS).await.ok();
+    let mut check_buffered = true;
     loop {
-        let next = match pass(&ctx).await {
-            Ok(next) => next,
-            Err(e) => {
-                tracing::warn!(error = %e, "scheduler pass; retrying");
-                Some(Utc::now() + chrono::TimeDelta::seconds(1))
+        let Some(w) = watch.as_mut() else {
+            match ctx.buckets.schedules.store().watch_with_history(">").await {
+                Ok(w) => {
+                    table = Table::default();
+                    watch = Some(w);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "watch schedules; retrying");
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
             }
+            continue;
         };
-        let sleep = next
-            .map(|n| (n - Utc::now()).to_std().unwrap_or_default())
+        // Everything the watch has ready, so the pass sees current records.
+        while let Some(change) = w.next().now_or_never() {
+            if !apply(&mut table, change) {
+                watch = None;
+                break;
+            }
+        }
+        if watch.is_none() {
+            continue;
+        }
+        let now = Utc::now();
+        let due = table.due(now, check_buffered);
+        check_buffered = false;
+        if !due.is_empty() {
+            pass(&ctx, &mut table, due).await;
+            continue;
+        }
+        let sleep = table
+            .wake_at()
+            .map(|n| (n - now).to_std().unwrap_or_default())
             .unwrap_or(MAX_SLEEP)
             .min(MAX_SLEEP);
+        let Some(w) = watch.as_mut() else { continue };
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return,
-            Some(_) = async { match changes.as_mut() { Some(w) => w.next().await, None => std::future::pending().await } } => {}
-            Some(_) = async { match run_ends.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {}
+            change = w.next() => if !apply(&mut table, change) { watch = None },
+            Some(_) = async { match run_ends.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
+                check_buffered = table.has_buffered();
+            }
             _ = tokio::time::sleep(sleep) => {}
         }
     }
 }
 
-/// Handles every schedule's due slots; returns the earliest next slot.
-async fn pass(ctx: &Ctx) -> Result<Option<DateTime<Utc>>, TickError> {
-    let schedules = ctx.buckets.schedules.values::<ScheduleRecord>().await?;
-    let mut earliest: Option<DateTime<Utc>> = None;
-    for s in schedules {
-        let name = s.spec.name.clone();
-        let cron = match CronSpec::parse(&s.spec.cron, &s.spec.tz) {
-            Ok(c) => c,
+type Change = Option<Result<async_nats::jetstream::kv::Entry, async_nats::jetstream::kv::WatcherError>>;
+
+/// Applies one watch message to the table; `false` when the watch has ended or failed (it is
+/// then opened again, which re-reads every schedule).
+fn apply(table: &mut Table, change: Change) -> bool {
+    let entry = match change {
+        Some(Ok(entry)) => entry,
+        Some(Err(e)) => {
+            tracing::warn!(error = %e, "schedules watch failed; re-reading");
+            return false;
+        }
+        None => return false,
+    };
+    match entry.operation {
+        Operation::Put => match serde_json::from_slice::<ScheduleRecord>(&entry.value) {
+            Ok(record) => table.upsert(record, entry.revision),
+            Err(e) => tracing::error!(key = %entry.key, error = %e, "unreadable schedule; skipped"),
+        },
+        Operation::Delete | Operation::Purge => table.remove(&entry.key, entry.revision),
+    }
+    true
+}
+
+/// Handles the due schedules, [`CONCURRENCY`] at once; what each wrote goes into the table.
+async fn pass(ctx: &Ctx, table: &mut Table, due: Vec<(ScheduleRecord, u64)>) {
+    let work: Vec<_> = due
+        .into_iter()
+        .filter_map(|(s, rev)| table.cron(&s.spec.name).cloned().map(|c| (s, rev, c)))
+        .collect();
+    let results: Vec<_> = futures::stream::iter(work)
+        .map(|(s, rev, cron)| async move {
+            let name = s.spec.name.clone();
+            (name, process(ctx, s, rev, &cron).await)
+        })
+        .buffer_unordered(CONCURRENCY)
+        .collect()
+        .await;
+    let now = Utc::now();
+    for (name, result) in results {
+        match result {
+            Ok(Some((record, revision))) => table.upsert(record, revision),
+            Ok(None) => {}
             Err(e) => {
-                tracing::error!(schedule = %name, error = %e, "unreadable schedule; skipped");
-                continue;
+                tracing::warn!(schedule = %name, error = %e, "schedule pass; retrying");
+                table.retry_later(&name, now);
             }
-        };
-        let cursor = match process(ctx, s, &cron).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(schedule = %name, error = %e, "schedule pass");
-                continue;
-            }
-        };
-        if let Some(n) = cron.next_after(cursor.max(Utc::now())) {
-            earliest = Some(earliest.map_or(n, |e| e.min(n)));
         }
     }
-    Ok(earliest)
 }
 
 /// One schedule: a buffered slot whose blocker ended fires; then each due slot gets its
-/// record. Returns the cursor after the pass.
+/// record; then the schedule's record is written once (cursor, buffered slot, last run).
+/// Returns the record written and its revision (`None` if nothing changed).
 async fn process(
     ctx: &Ctx,
-    mut s: ScheduleRecord,
+    s: ScheduleRecord,
+    revision: u64,
     cron: &CronSpec,
-) -> Result<DateTime<Utc>, TickError> {
+) -> Result<Option<(ScheduleRecord, u64)>, TickError> {
     let name = s.spec.name.clone();
-    let running = running_run(ctx, &s).await?;
+    let mut running = running_run(ctx, &s).await?;
+    let mut next = s.clone();
     if let (Some(slot), None) = (s.buffered, &running) {
-        let now = Utc::now();
-        fire(ctx, &s, slot, now).await?;
-        s = update(ctx, &name, |r| {
-            r.buffered = None;
-            r.last_run = slot_run(&name, slot);
-        })
-        .await?;
+        let run = fire(ctx, &s, slot).await?;
+        next.buffered = None;
+        next.last_run = Some(run.clone());
+        running = Some(run);
     }
     let now = Utc::now();
     let due = cron.slots_between(s.cursor, now, MAX_SLOTS);
-    if due.is_empty() {
-        return Ok(s.cursor);
-    }
-    let running = running_run(ctx, &s).await?;
-    let situation = Situation {
-        now,
-        paused: s.paused.is_some(),
-        running: running.as_ref(),
-        buffered: s.buffered.is_some(),
-    };
-    let decisions = decide(&s.spec, &due, &situation, |slot| slot_run(&name, slot));
-    for (slot, decision) in due.iter().zip(decisions) {
-        let mut buffer = None;
-        let mut fired = None;
-        match decision {
-            Decision::Fire => fired = Some(fire(ctx, &s, *slot, now).await?),
-            Decision::CancelAndFire { cancel } => {
-                cancel_run(ctx, &cancel).await?;
-                fired = Some(fire(ctx, &s, *slot, now).await?);
+    if !due.is_empty() {
+        let situation = Situation {
+            now,
+            paused: s.paused.is_some(),
+            running: running.as_ref(),
+            buffered: next.buffered.is_some(),
+        };
+        let decisions = decide(&s.spec, &due, &situation, |slot| slot_run(&name, slot));
+        for (slot, decision) in due.iter().zip(decisions) {
+            match decision {
+                Decision::Fire => next.last_run = Some(fire(ctx, &s, *slot).await?),
+                Decision::CancelAndFire { cancel } => {
+                    cancel_run(ctx, &cancel).await?;
+                    next.last_run = Some(fire(ctx, &s, *slot).await?);
+                }
+                Decision::Buffer => {
+                    next.buffered.get_or_insert(*slot);
+                }
+                Decision::Skip { reason, yielded_to } => {
+                    let outcome = SlotOutcome::Skipped {
+                        reason: reason.to_string(),
+                        yielded_to,
+                    };
+                    record(ctx, &name, *slot, outcome).await?;
+                }
+                Decision::Miss { reason } => {
+                    let outcome = SlotOutcome::Missed {
+                        reason: reason.to_string(),
+                    };
+                    record(ctx, &name, *slot, outcome).await?;
+                }
             }
-            Decision::Buffer => buffer = Some(*slot),
-            Decision::Skip { reason, yielded_to } => {
-                let outcome = SlotOutcome::Skipped {
-                    reason: reason.to_string(),
-                    yielded_to,
-                };
-                record(ctx, &name, *slot, outcome).await?;
-            }
-            Decision::Miss { reason } => {
-                let outcome = SlotOutcome::Missed {
-                    reason: reason.to_string(),
-                };
-                record(ctx, &name, *slot, outcome).await?;
-            }
+            next.cursor = next.cursor.max(*slot);
         }
-        let slot = *slot;
-        s = update(ctx, &name, |r| {
-            if r.cursor < slot {
-                r.cursor = slot;
+    }
+    if next == s {
+        return Ok(None);
+    }
+    write_back(ctx, &s, revision, next).await
+}
+
+/// Writes the pass's result at the revision it started from; if the record changed meanwhile
+/// (an API call), the same changes are applied to the current record.
+async fn write_back(
+    ctx: &Ctx,
+    before: &ScheduleRecord,
+    revision: u64,
+    after: ScheduleRecord,
+) -> Result<Option<(ScheduleRecord, u64)>, TickError> {
+    let name = &before.spec.name;
+    let bucket = &ctx.buckets.schedules;
+    if let Some(rev) = bucket.update(name, &after, revision).await? {
+        return Ok(Some((after, rev)));
+    }
+    let edited = bucket
+        .edit::<ScheduleRecord, _>(name, |r| {
+            r.cursor = r.cursor.max(after.cursor);
+            if before.buffered.is_some() && after.buffered.is_none() {
+                r.buffered = None;
             }
-            if let Some(b) = buffer {
+            if let (None, Some(b)) = (before.buffered, after.buffered) {
                 r.buffered.get_or_insert(b);
             }
-            if let Some(run) = &fired {
-                r.last_run = Some(run.clone());
+            if after.last_run != before.last_run {
+                r.last_run = after.last_run.clone();
             }
         })
         .await?;
+    if edited.is_none() {
+        tracing::info!(schedule = %name, "schedule deleted during its pass");
+        return Ok(None);
     }
-    Ok(s.cursor)
+    Ok(bucket.get::<ScheduleRecord>(name).await?)
 }
 
 /// The schedule's last run, if it has not ended.
@@ -191,11 +273,12 @@ pub(crate) async fn fire(
     ctx: &Ctx,
     s: &ScheduleRecord,
     slot: DateTime<Utc>,
-    now: DateTime<Utc>,
 ) -> Result<RunId, TickError> {
     let name = &s.spec.name;
     let run = slot_run(name, slot)
         .ok_or_else(|| ApiError::bad_request(format!("schedule {name} gives no valid run id")))?;
+    // Fired when claimed: the claim is what decides the slot.
+    let now = Utc::now();
     let drift_ms = (now - slot).num_milliseconds();
     let outcome = SlotOutcome::Fired {
         fired_at: now,
