@@ -44,6 +44,7 @@ pub async fn measure(d: &Deployment, schedules: usize) -> Result<serde_json::Val
     let claim = claims(&buckets.slots).await?;
     let sessions = create_sessions(&client, schedules.div_ceil(PER_SESSION)).await?;
     let scheduler = start_scheduler(&d.admin);
+    wait_for_scheduler(&client).await?;
     eprintln!("schedules: adding {schedules} schedules on {} sessions", sessions.len());
     let added = Instant::now();
     let names: Vec<String> = (0..schedules).map(|i| format!("bench-{i}")).collect();
@@ -113,6 +114,20 @@ pub async fn measure(d: &Deployment, schedules: usize) -> Result<serde_json::Val
     }))
 }
 
+/// Until the scheduler in this process answers its API (bounded).
+async fn wait_for_scheduler(client: &async_nats::Client) -> Result<()> {
+    let req = turnstile_shared::schedules::ListSchedules {};
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = api::call::<_, Vec<ScheduleRecord>>(client, subj::SCHEDULES_LIST, &req, Duration::from_secs(1)).await;
+        match r {
+            Ok(_) => return Ok(()),
+            Err(e) if Instant::now() > deadline => bail!("the scheduler did not answer: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
 fn spec(name: &str, session: &turnstile_shared::SessionId) -> ScheduleSpec {
     serde_json::from_value(serde_json::json!({
         "name": name,
@@ -139,6 +154,7 @@ fn judge(
     runs: &HashMap<String, RunRecord>,
 ) -> serde_json::Value {
     let (mut fired, mut skipped, mut missed, mut done) = (0, 0, 0, 0);
+    let mut example = serde_json::Value::Null;
     let mut drift = Vec::new();
     let mut queued = Vec::new();
     for n in names {
@@ -157,7 +173,16 @@ fn judge(
                     }
                 }
             }
-            SlotOutcome::Skipped { .. } => skipped += 1,
+            SlotOutcome::Skipped { reason, yielded_to } => {
+                skipped += 1;
+                if example.is_null() {
+                    let blocker = yielded_to.as_ref().and_then(|r| runs.get(r.as_str()));
+                    example = serde_json::json!({
+                        "schedule": n, "reason": reason,
+                        "blocker": blocker.map(|b| serde_json::json!({"created_at": b.created_at, "state": b.state})),
+                    });
+                }
+            }
             SlotOutcome::Missed { .. } => missed += 1,
         }
     }
@@ -167,6 +192,7 @@ fn judge(
         "slot": slot,
         "fired": fired,
         "skipped": skipped,
+        "a_skip": example,
         "missed": missed,
         "runs_done": done,
         "fire_drift": crate::summary(drift),

@@ -130,22 +130,44 @@ fn apply(table: &mut Table, change: Change) -> bool {
     true
 }
 
-/// Handles the due schedules, [`CONCURRENCY`] at once; what each wrote goes into the table.
+/// Handles the due schedules in two rounds, [`CONCURRENCY`] schedules at once in each: first
+/// every due slot gets its record (the claim, stamped with its fire time), then the fired runs
+/// start and each schedule's record is written. Claims first keeps a thousand slots due in the
+/// same second from waiting on each other's run starts; a crash between the rounds leaves the
+/// cursor behind, so the next pass finds the claims standing and starts their runs (R14).
 async fn pass(ctx: &Ctx, table: &mut Table, due: Vec<(ScheduleRecord, u64)>) {
     let work: Vec<_> = due
         .into_iter()
         .filter_map(|(s, rev)| table.cron(&s.spec.name).cloned().map(|c| (s, rev, c)))
         .collect();
-    let results: Vec<_> = futures::stream::iter(work)
+    let now = Utc::now();
+    let claimed: Vec<_> = futures::stream::iter(work)
         .map(|(s, rev, cron)| async move {
             let name = s.spec.name.clone();
-            (name, process(ctx, s, rev, &cron).await)
+            (name, claim(ctx, s, rev, &cron).await)
         })
         .buffer_unordered(CONCURRENCY)
         .collect()
         .await;
-    let now = Utc::now();
-    for (name, result) in results {
+    let mut plans = Vec::with_capacity(claimed.len());
+    for (name, result) in claimed {
+        match result {
+            Ok(plan) => plans.push(plan),
+            Err(e) => {
+                tracing::warn!(schedule = %name, error = %e, "schedule pass; retrying");
+                table.retry_later(&name, now);
+            }
+        }
+    }
+    let done: Vec<_> = futures::stream::iter(plans)
+        .map(|plan| async move {
+            let name = plan.before.spec.name.clone();
+            (name, act(ctx, plan).await)
+        })
+        .buffer_unordered(CONCURRENCY)
+        .collect()
+        .await;
+    for (name, result) in done {
         match result {
             Ok(Some((record, revision))) => table.upsert(record, revision),
             Ok(None) => {}
@@ -157,23 +179,39 @@ async fn pass(ctx: &Ctx, table: &mut Table, due: Vec<(ScheduleRecord, u64)>) {
     }
 }
 
-/// One schedule: a buffered slot whose blocker ended fires; then each due slot gets its
-/// record; then the schedule's record is written once (cursor, buffered slot, last run).
-/// Returns the record written and its revision (`None` if nothing changed).
-async fn process(
+/// What a schedule's pass decided: the record as it will be written, and the runs to cancel
+/// and start, in order.
+struct Plan {
+    before: ScheduleRecord,
+    revision: u64,
+    after: ScheduleRecord,
+    actions: Vec<Action>,
+}
+
+enum Action {
+    Cancel(RunId),
+    Start(RunId),
+}
+
+/// The first round for one schedule: a buffered slot whose blocker ended is claimed as fired;
+/// then each due slot gets its record.
+async fn claim(
     ctx: &Ctx,
     s: ScheduleRecord,
     revision: u64,
     cron: &CronSpec,
-) -> Result<Option<(ScheduleRecord, u64)>, TickError> {
+) -> Result<Plan, TickError> {
     let name = s.spec.name.clone();
     let mut running = running_run(ctx, &s).await?;
-    let mut next = s.clone();
+    let mut after = s.clone();
+    let mut actions = Vec::new();
     if let (Some(slot), None) = (s.buffered, &running) {
-        let run = fire(ctx, &s, slot).await?;
-        next.buffered = None;
-        next.last_run = Some(run.clone());
-        running = Some(run);
+        after.buffered = None;
+        if let Some(run) = claim_fire(ctx, &s, slot).await? {
+            after.last_run = Some(run.clone());
+            running = Some(run.clone());
+            actions.push(Action::Start(run));
+        }
     }
     let now = Utc::now();
     let due = cron.slots_between(s.cursor, now, MAX_SLOTS);
@@ -182,18 +220,26 @@ async fn process(
             now,
             paused: s.paused.is_some(),
             running: running.as_ref(),
-            buffered: next.buffered.is_some(),
+            buffered: after.buffered.is_some(),
         };
         let decisions = decide(&s.spec, &due, &situation, |slot| slot_run(&name, slot));
         for (slot, decision) in due.iter().zip(decisions) {
             match decision {
-                Decision::Fire => next.last_run = Some(fire(ctx, &s, *slot).await?),
+                Decision::Fire => {
+                    if let Some(run) = claim_fire(ctx, &s, *slot).await? {
+                        after.last_run = Some(run.clone());
+                        actions.push(Action::Start(run));
+                    }
+                }
                 Decision::CancelAndFire { cancel } => {
-                    cancel_run(ctx, &cancel).await?;
-                    next.last_run = Some(fire(ctx, &s, *slot).await?);
+                    if let Some(run) = claim_fire(ctx, &s, *slot).await? {
+                        after.last_run = Some(run.clone());
+                        actions.push(Action::Cancel(cancel));
+                        actions.push(Action::Start(run));
+                    }
                 }
                 Decision::Buffer => {
-                    next.buffered.get_or_insert(*slot);
+                    after.buffered.get_or_insert(*slot);
                 }
                 Decision::Skip { reason, yielded_to } => {
                     let outcome = SlotOutcome::Skipped {
@@ -209,13 +255,33 @@ async fn process(
                     record(ctx, &name, *slot, outcome).await?;
                 }
             }
-            next.cursor = next.cursor.max(*slot);
+            after.cursor = after.cursor.max(*slot);
         }
     }
-    if next == s {
+    Ok(Plan {
+        before: s,
+        revision,
+        after,
+        actions,
+    })
+}
+
+/// The second round: cancels and starts the plan's runs (idempotent by run id), then writes
+/// the schedule's record once. Returns the record written and its revision (`None` if
+/// nothing changed).
+async fn act(ctx: &Ctx, plan: Plan) -> Result<Option<(ScheduleRecord, u64)>, TickError> {
+    for action in &plan.actions {
+        match action {
+            Action::Cancel(run) => cancel_run(ctx, run).await?,
+            Action::Start(run) => {
+                start_run(ctx, &plan.before, run.clone()).await?;
+            }
+        }
+    }
+    if plan.after == plan.before {
         return Ok(None);
     }
-    write_back(ctx, &s, revision, next).await
+    write_back(ctx, &plan.before, plan.revision, plan.after).await
 }
 
 /// Writes the pass's result at the revision it started from; if the record changed meanwhile
@@ -273,7 +339,21 @@ pub(crate) async fn fire(
     ctx: &Ctx,
     s: &ScheduleRecord,
     slot: DateTime<Utc>,
-) -> Result<RunId, TickError> {
+) -> Result<Option<RunId>, TickError> {
+    let run = claim_fire(ctx, s, slot).await?;
+    if let Some(run) = &run {
+        start_run(ctx, s, run.clone()).await?;
+    }
+    Ok(run)
+}
+
+/// Claims the slot as fired: the run to start, or `None` when the slot's standing record
+/// (decided earlier) is not a fire.
+async fn claim_fire(
+    ctx: &Ctx,
+    s: &ScheduleRecord,
+    slot: DateTime<Utc>,
+) -> Result<Option<RunId>, TickError> {
     let name = &s.spec.name;
     let run = slot_run(name, slot)
         .ok_or_else(|| ApiError::bad_request(format!("schedule {name} gives no valid run id")))?;
@@ -287,13 +367,10 @@ pub(crate) async fn fire(
         run: run.clone(),
     };
     let claimed = record(ctx, name, slot, outcome).await?;
-    match &claimed.outcome {
-        SlotOutcome::Fired { run, .. } => {
-            start_run(ctx, s, run.clone()).await?;
-            Ok(run.clone())
-        }
-        _ => Ok(run),
-    }
+    Ok(match claimed.outcome {
+        SlotOutcome::Fired { run, .. } => Some(run),
+        _ => None,
+    })
 }
 
 /// `cancel_other`: the running run stops at its next boundary, `failed: cancelled`.

@@ -19,9 +19,10 @@ use turnstile_shared::retry::Backoff;
 
 use crate::handoff::collect;
 
-/// How often a wait for children re-reads the tree even without an event (a missed event
-/// costs at most this).
-const RECHECK: Duration = Duration::from_secs(2);
+/// How often a wait for children re-reads the tree even without an event: soon at first (a
+/// turn without children settles as soon as the broker has recorded its end, usually within
+/// milliseconds), then at most every two seconds (a missed event costs at most that).
+const RECHECK: Backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(2));
 
 /// How often a run looks again for the completions of what its turn's subtree finished.
 const COMPLETIONS_POLL: Backoff =
@@ -61,6 +62,7 @@ impl Driver<'_> {
             .ok();
         let mut last_progress = tokio::time::Instant::now();
         let id = ExecutionId::from(turn);
+        let mut recheck = RECHECK.delays();
         loop {
             let tree: Option<TreeNode> = api::call(
                 &self.ctx.client,
@@ -94,7 +96,7 @@ impl Driver<'_> {
                 Some(_) = async { match beats.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
                     last_progress = tokio::time::Instant::now();
                 }
-                _ = tokio::time::sleep(RECHECK) => {}
+                _ = recheck.wait() => {}
                 _ = tokio::time::sleep_until(deadline) => return Ok(Wait::Idle),
             }
             // Keep the run item alive while it waits.
