@@ -490,7 +490,7 @@ if host_b_transcripts | grep -q -- "- pstep \["; then
   exit 1
 fi
 echo "test-compose: step pstep completed while its session is busy: its completion is pending"
-runs_before="$(cli run list --json | tr -d '\r')"
+runs_before="$(cli run list --limit 1000 --json | tr -d '\r')"
 compose down >/dev/null 2>&1
 up_at="$(date -u +%Y-%m-%dT%H:%M:%S)"
 compose up -d --no-build >/dev/null 2>&1
@@ -513,11 +513,11 @@ cli schedule show compose-every-5s >/dev/null
 # Every run recorded before `down` is still recorded, and every run that had ended has the
 # same outcome.
 printf '%s' "$runs_before" > "$work/runs-before.json"
-cli run list --json | tr -d '\r' > "$work/runs-after.json"
+cli run list --limit 1000 --json | tr -d '\r' > "$work/runs-after.json"
 python3 - "$work/runs-before.json" "$work/runs-after.json" <<'PY'
 import json, sys
-before = {r["id"]: r for r in json.load(open(sys.argv[1]))}
-after = {r["id"]: r for r in json.load(open(sys.argv[2]))}
+before = {r["id"]: r for r in json.load(open(sys.argv[1]))["items"]}
+after = {r["id"]: r for r in json.load(open(sys.argv[2]))["items"]}
 gone = sorted(set(before) - set(after))
 assert not gone, f"runs gone after down/up: {gone}"
 ended = ("completed", "failed", "cancelled")
@@ -547,10 +547,10 @@ done
 echo "test-compose: the pending completion was handed over once after down/up"
 # A slot after `up` fires and its run completes.
 deadline=$((SECONDS + 180))
-until cli run list --schedule compose-every-5s --json | tr -d '\r' | python3 -c '
+until cli run list --schedule compose-every-5s --limit 1000 --json | tr -d '\r' | python3 -c '
 import json, sys
 after = sys.argv[1]
-runs = json.load(sys.stdin)
+runs = json.load(sys.stdin)["items"]
 sys.exit(0 if any(r["status"] == "completed" and r["created_at"][:19] > after for r in runs) else 1)
 ' "$up_at"; do
   if [ "$SECONDS" -gt "$deadline" ]; then

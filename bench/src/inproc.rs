@@ -111,8 +111,13 @@ async fn create_session(client: &async_nats::Client, i: usize) -> Result<Session
     };
     let mut tries = 0;
     loop {
-        match api::call::<_, SessionRecord>(client, subj::SESSION_CREATE, &req, Duration::from_secs(10))
-            .await
+        match api::call::<_, SessionRecord>(
+            client,
+            subj::SESSION_CREATE,
+            &req,
+            Duration::from_secs(10),
+        )
+        .await
         {
             Ok(r) => return Ok(r.id),
             Err(e) if (e.code == ErrorCode::NoHost || e.code.is_transient()) && tries < 100 => {

@@ -16,7 +16,9 @@ use chrono::{DateTime, TimeDelta, Utc};
 use futures::StreamExt;
 use turnstile_shared::api;
 use turnstile_shared::runs::{RunRecord, RunState};
-use turnstile_shared::schedules::{slot_run, ScheduleRecord, ScheduleSpec, SlotOutcome, SlotRecord};
+use turnstile_shared::schedules::{
+    slot_run, ScheduleRecord, ScheduleSpec, SlotOutcome, SlotRecord,
+};
 use turnstile_shared::subjects::api as subj;
 use turnstile_shared::topology::bind;
 
@@ -45,7 +47,10 @@ pub async fn measure(d: &Deployment, schedules: usize) -> Result<serde_json::Val
     let sessions = create_sessions(&client, schedules.div_ceil(PER_SESSION)).await?;
     let scheduler = start_scheduler(&d.admin);
     wait_for_scheduler(&client).await?;
-    eprintln!("schedules: adding {schedules} schedules on {} sessions", sessions.len());
+    eprintln!(
+        "schedules: adding {schedules} schedules on {} sessions",
+        sessions.len()
+    );
     let added = Instant::now();
     let names: Vec<String> = (0..schedules).map(|i| format!("bench-{i}")).collect();
     let adds = futures::stream::iter(names.iter().enumerate())
@@ -72,16 +77,33 @@ pub async fn measure(d: &Deployment, schedules: usize) -> Result<serde_json::Val
     // The two slots after every schedule exists (a second of margin).
     let first = next_slot(Utc::now() + TimeDelta::seconds(1));
     let slots = [first, first + TimeDelta::seconds(PERIOD)];
-    eprintln!("schedules: waiting for the slots at {} and {}", slots[0], slots[1]);
+    eprintln!(
+        "schedules: waiting for the slots at {} and {}",
+        slots[0], slots[1]
+    );
     let deadline = Instant::now() + Duration::from_secs(PERIOD as u64 * 2 + 60);
     let (records, runs) = loop {
-        let records: HashMap<String, SlotRecord> = buckets.slots.entries_matching(">").await?.into_iter().collect();
-        let runs: HashMap<String, RunRecord> = buckets.runs.entries_matching(">").await?.into_iter().collect();
+        let records: HashMap<String, SlotRecord> = buckets
+            .slots
+            .entries_matching(">")
+            .await?
+            .into_iter()
+            .collect();
+        let runs: HashMap<String, RunRecord> = buckets
+            .runs
+            .entries_matching(">")
+            .await?
+            .into_iter()
+            .collect();
         let settled = names.iter().all(|n| {
             slots.iter().all(|s| {
-                let fired_run = records.get(&turnstile_shared::schedules::slot_key(n, *s)).map(|r| &r.outcome);
+                let fired_run = records
+                    .get(&turnstile_shared::schedules::slot_key(n, *s))
+                    .map(|r| &r.outcome);
                 match fired_run {
-                    Some(SlotOutcome::Fired { run, .. }) => runs.get(run.as_str()).is_some_and(|r| r.state.is_terminal()),
+                    Some(SlotOutcome::Fired { run, .. }) => runs
+                        .get(run.as_str())
+                        .is_some_and(|r| r.state.is_terminal()),
                     Some(_) => true,
                     None => false,
                 }
@@ -116,10 +138,16 @@ pub async fn measure(d: &Deployment, schedules: usize) -> Result<serde_json::Val
 
 /// Until the scheduler in this process answers its API (bounded).
 async fn wait_for_scheduler(client: &async_nats::Client) -> Result<()> {
-    let req = turnstile_shared::schedules::ListSchedules {};
+    let req = turnstile_shared::schedules::ListSchedules::default();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let r = api::call::<_, Vec<ScheduleRecord>>(client, subj::SCHEDULES_LIST, &req, Duration::from_secs(1)).await;
+        let r = api::call::<_, turnstile_shared::page::Page<ScheduleRecord>>(
+            client,
+            subj::SCHEDULES_LIST,
+            &req,
+            Duration::from_secs(1),
+        )
+        .await;
         match r {
             Ok(_) => return Ok(()),
             Err(e) if Instant::now() > deadline => bail!("the scheduler did not answer: {e}"),
@@ -167,7 +195,11 @@ fn judge(
                 drift.push((*fired_at - slot).num_microseconds().unwrap_or(i64::MAX) as f64);
                 let run = slot_run(n, slot).and_then(|id| runs.get(id.as_str()));
                 if let Some(run) = run {
-                    queued.push((run.created_at - slot).num_microseconds().unwrap_or(i64::MAX) as f64);
+                    queued.push(
+                        (run.created_at - slot)
+                            .num_microseconds()
+                            .unwrap_or(i64::MAX) as f64,
+                    );
                     if matches!(run.state, RunState::Completed { .. }) {
                         done += 1;
                     }
@@ -211,7 +243,9 @@ async fn claims(slots: &turnstile_shared::kv::Bucket) -> Result<serde_json::Valu
             schedule: "bench-claims".into(),
             slot,
             recorded_at: Utc::now(),
-            outcome: SlotOutcome::Missed { reason: "benchmark claim".into() },
+            outcome: SlotOutcome::Missed {
+                reason: "benchmark claim".into(),
+            },
         };
         let key = turnstile_shared::schedules::slot_key("bench-claims", slot);
         let t0 = Instant::now();

@@ -24,6 +24,7 @@ mod dev;
 mod events;
 mod hosts;
 mod mcp;
+mod paging;
 mod runs;
 mod schedule;
 mod session;

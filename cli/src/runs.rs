@@ -8,6 +8,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use clap::{Args, Subcommand};
 use turnstile_shared::api;
 use turnstile_shared::duration;
+use turnstile_shared::page::Page;
 use turnstile_shared::runs::{RunLimits, RunRecord, RunRef, RunState, StartRun};
 use turnstile_shared::schedules::ListRuns;
 use turnstile_shared::subjects::{self, api as subj};
@@ -75,6 +76,8 @@ pub enum RunCommand {
     List {
         #[arg(long)]
         schedule: Option<String>,
+        #[command(flatten)]
+        page: crate::paging::PageArgs,
         #[arg(long)]
         json: bool,
     },
@@ -150,22 +153,27 @@ pub async fn run(url: &str, cmd: RunCommand) -> anyhow::Result<ExitCode> {
                 );
             }
         }
-        RunCommand::List { schedule, json } => {
-            let recs: Vec<RunRecord> = api::call(
-                &client,
-                subj::RUNS_LIST,
-                &ListRuns { schedule },
-                API_TIMEOUT,
-            )
-            .await?;
+        RunCommand::List {
+            schedule,
+            page,
+            json,
+        } => {
+            let req = ListRuns {
+                schedule,
+                page: page.request(),
+            };
+            let page: Page<RunRecord> =
+                api::call(&client, subj::RUNS_LIST, &req, API_TIMEOUT).await?;
+            let recs = &page.items;
             if json {
-                println!("{}", serde_json::to_string(&recs)?);
+                println!("{}", serde_json::to_string(&page)?);
             } else {
+                crate::paging::more(&page);
                 println!(
                     "{:<40} {:<9} {:>6}  {:<20} CREATED",
                     "RUN", "STATUS", "ROUNDS", "SCHEDULE"
                 );
-                for r in &recs {
+                for r in recs {
                     println!("{}", list_line(r));
                 }
             }

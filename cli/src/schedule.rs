@@ -61,6 +61,8 @@ pub enum ScheduleCommand {
     },
     /// List schedules.
     List {
+        #[command(flatten)]
+        page: crate::paging::PageArgs,
         #[arg(long)]
         json: bool,
     },
@@ -149,22 +151,22 @@ pub async fn run(url: &str, cmd: ScheduleCommand) -> anyhow::Result<ExitCode> {
                 api::call(&client, subj::SCHEDULES_ADD, &req, API_TIMEOUT).await?;
             print_record(&rec, json, &rec.spec.name)?;
         }
-        ScheduleCommand::List { json } => {
-            let recs: Vec<ScheduleRecord> = api::call(
-                &client,
-                subj::SCHEDULES_LIST,
-                &ListSchedules {},
-                API_TIMEOUT,
-            )
-            .await?;
+        ScheduleCommand::List { page, json } => {
+            let req = ListSchedules {
+                page: page.request(),
+            };
+            let page: turnstile_shared::page::Page<ScheduleRecord> =
+                api::call(&client, subj::SCHEDULES_LIST, &req, API_TIMEOUT).await?;
+            let recs = &page.items;
             if json {
-                println!("{}", serde_json::to_string(&recs)?);
+                println!("{}", serde_json::to_string(&page)?);
             } else {
+                crate::paging::more(&page);
                 println!(
                     "{:<20} {:<16} {:<18} {:<36} {:<10} {:<6}  LAST RUN",
                     "NAME", "CRON", "TZ", "SESSION", "OVERLAP", "STATE"
                 );
-                for r in &recs {
+                for r in recs {
                     println!("{}", list_line(r));
                 }
             }

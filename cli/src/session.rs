@@ -61,6 +61,8 @@ pub enum SessionCommand {
     },
     /// List sessions with their lane state.
     List {
+        #[command(flatten)]
+        page: crate::paging::PageArgs,
         #[arg(long)]
         json: bool,
     },
@@ -154,22 +156,22 @@ pub async fn run(url: &str, cmd: SessionCommand) -> anyhow::Result<ExitCode> {
                 println!("{}", rec.id);
             }
         }
-        SessionCommand::List { json } => {
-            let views: Vec<SessionView> = api::call(
-                &client,
-                subj::SESSION_LIST,
-                &ListSessions::default(),
-                API_TIMEOUT,
-            )
-            .await?;
+        SessionCommand::List { page, json } => {
+            let req = ListSessions {
+                page: page.request(),
+            };
+            let page: turnstile_shared::page::Page<SessionView> =
+                api::call(&client, subj::SESSION_LIST, &req, API_TIMEOUT).await?;
+            let views = &page.items;
             if json {
-                println!("{}", serde_json::to_string(&views)?);
+                println!("{}", serde_json::to_string(&page)?);
             } else {
+                crate::paging::more(&page);
                 println!(
                     "{:<36} {:<16} {:<8} {:<12} {:<8} {:>6}  transport",
                     "SESSION", "NAME", "AGENT", "HOST", "STATE", "QUEUED"
                 );
-                for v in &views {
+                for v in views {
                     println!(
                         "{:<36} {:<16} {:<8} {:<12} {:<8} {:>6}  {}",
                         v.session.id,

@@ -62,6 +62,8 @@ pub enum StepCommand {
     },
     /// Your session's steps, newest first.
     List {
+        #[command(flatten)]
+        page: crate::paging::PageArgs,
         #[arg(long)]
         json: bool,
     },
@@ -184,15 +186,19 @@ pub async fn run(url: &str, cmd: StepCommand) -> anyhow::Result<ExitCode> {
                 println!("{}", line(&rec));
             }
         }
-        StepCommand::List { json } => {
-            let req = ListSteps { caller };
+        StepCommand::List { page, json } => {
+            let req = ListSteps {
+                caller,
+                page: page.request(),
+            };
             let subject = principal.steps(subj::LIST);
-            let recs: Vec<ExecutionRecord> =
+            let page: turnstile_shared::page::Page<ExecutionRecord> =
                 api::call(&client, &subject, &req, API_TIMEOUT).await?;
             if json {
-                println!("{}", serde_json::to_string(&recs)?);
+                println!("{}", serde_json::to_string(&page)?);
             } else {
-                for r in &recs {
+                crate::paging::more(&page);
+                for r in &page.items {
                     println!("{}", line(r));
                 }
             }

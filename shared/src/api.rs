@@ -52,7 +52,10 @@ pub struct SessionRef {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct ListSessions {}
+pub struct ListSessions {
+    #[serde(flatten)]
+    pub page: crate::page::PageRequest,
+}
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ListHosts {}

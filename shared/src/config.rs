@@ -40,6 +40,13 @@ pub struct TopologyArgs {
     /// three-node JetStream cluster.
     #[arg(long, env = "TURNSTILE_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
     pub replicas: u8,
+    /// How long finished records (runs, slots, stopped sessions; turns and executions a week
+    /// longer) are kept after their last write (provisioning).
+    #[arg(long, env = "TURNSTILE_RECORD_RETENTION", default_value = "30days", value_parser = crate::duration::parse_flag)]
+    pub record_retention: Duration,
+    /// How long lifecycle events and dead letters are kept (provisioning).
+    #[arg(long, env = "TURNSTILE_EVENTS_MAX_AGE", default_value = "7days", value_parser = crate::duration::parse_flag)]
+    pub events_max_age: Duration,
 }
 
 impl TopologyArgs {
@@ -51,6 +58,8 @@ impl TopologyArgs {
             service_ack_wait: self.service_ack_wait,
             host_ttl: self.host_ttl,
             replicas: usize::from(self.replicas),
+            record_retention: self.record_retention,
+            events_max_age: self.events_max_age,
             ..TopologyConfig::default()
         }
     }

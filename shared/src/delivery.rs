@@ -114,6 +114,13 @@ pub fn routes_completions(record: &ExecutionRecord) -> bool {
     record.kind == crate::execution::ExecKind::Step && record.status.is_terminal()
 }
 
+/// A marker lives while a delivery is armed and is deleted when it is disarmed.
+impl crate::retention::Retained for DeliveryMarker {
+    fn finished(&self) -> bool {
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -265,6 +265,12 @@ impl ExecutionRecord {
     }
 }
 
+impl crate::retention::Retained for ExecutionRecord {
+    fn finished(&self) -> bool {
+        self.status.is_terminal()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,9 +1,13 @@
 //! Typed JSON access to KV buckets with revision compare-and-set, so every record update is
 //! a read-modify-write that loses to a concurrent writer instead of overwriting it.
 
+use std::time::Duration;
+
 use async_nats::jetstream::kv::{Store, UpdateErrorKind};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+
+use crate::retention::Retained;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
@@ -43,6 +47,10 @@ pub struct Bucket {
     /// answered by a follower that has not applied the latest acknowledged write yet (a record
     /// just created would read as absent, seen on a three-node cluster).
     leader_reads: bool,
+    /// Finished records are written with this TTL (see `retention`).
+    finished_ttl: Option<Duration>,
+    /// Writes carrying a TTL are published here (the store has no public TTL update).
+    js: async_nats::jetstream::Context,
 }
 
 /// A key's last entry: a value, or the marker of its delete or purge, with its revision.
@@ -58,12 +66,80 @@ pub enum Change<T> {
 }
 
 impl Bucket {
-    pub fn new(store: Store, name: &str) -> Self {
-        let leader_reads = store.stream.cached_info().config.num_replicas > 1;
+    pub fn new(store: Store, name: &str, js: async_nats::jetstream::Context) -> Self {
+        let config = &store.stream.cached_info().config;
+        let leader_reads = config.num_replicas > 1;
+        let finished_ttl = crate::retention::finished_ttl(config);
         Self {
             store,
             name: name.to_string(),
             leader_reads,
+            finished_ttl,
+            js,
+        }
+    }
+
+    /// How long a finished record stays after its last write (`None`: kept).
+    pub fn finished_ttl(&self) -> Option<Duration> {
+        self.finished_ttl
+    }
+
+    /// Writes `bytes` at `key`: if `expected` is given, only over that revision (0: only if
+    /// absent); `Ok(None)` when that lost. A finished record carries the bucket's TTL.
+    async fn write(
+        &self,
+        op: &'static str,
+        key: &str,
+        bytes: bytes::Bytes,
+        expected: Option<u64>,
+        finished: bool,
+    ) -> Result<Option<u64>, KvError> {
+        let Some(ttl) = self.finished_ttl.filter(|_| finished) else {
+            let written = match expected {
+                None => self
+                    .store
+                    .put(key, bytes)
+                    .await
+                    .map_err(|e| self.nats(op, key, e)),
+                Some(rev) => match self.store.update(key, bytes, rev).await {
+                    Ok(rev) => Ok(rev),
+                    Err(e)
+                        if e.kind() == UpdateErrorKind::WrongLastRevision
+                            || crate::js_codes::is_wrong_last_sequence(&e) =>
+                    {
+                        return Ok(None)
+                    }
+                    Err(e) => Err(self.nats(op, key, e)),
+                },
+            };
+            return written.map(Some);
+        };
+        use async_nats::header::{
+            HeaderValue, NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, NATS_MESSAGE_TTL,
+        };
+        use async_nats::jetstream::context::PublishErrorKind;
+        let mut headers = async_nats::HeaderMap::new();
+        if let Some(rev) = expected {
+            headers.insert(NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, HeaderValue::from(rev));
+        }
+        headers.insert(NATS_MESSAGE_TTL, HeaderValue::from(ttl.as_secs().max(1)));
+        let subject = format!(
+            "{}{key}",
+            self.store.put_prefix.as_ref().unwrap_or(&self.store.prefix)
+        );
+        let acked = match self.js.publish_with_headers(subject, headers, bytes).await {
+            Ok(ack) => ack.await,
+            Err(e) => Err(e),
+        };
+        match acked {
+            Ok(ack) => Ok(Some(ack.sequence)),
+            Err(e)
+                if e.kind() == PublishErrorKind::WrongLastSequence
+                    || crate::js_codes::is_wrong_last_sequence(&e) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(self.nats(op, key, e)),
         }
     }
 
@@ -149,12 +225,12 @@ impl Bucket {
         }))
     }
 
-    pub async fn put<T: Serialize>(&self, key: &str, value: &T) -> Result<u64, KvError> {
+    pub async fn put<T: Serialize + Retained>(&self, key: &str, value: &T) -> Result<u64, KvError> {
         let bytes = self.encode(key, value)?;
-        self.store
-            .put(key, bytes)
-            .await
-            .map_err(|e| self.nats("put", key, e))
+        let written = self
+            .write("put", key, bytes, None, value.finished())
+            .await?;
+        written.ok_or_else(|| self.nats("put", key, "a write without a condition was refused"))
     }
 
     /// Writes only if the key does not exist (or was deleted); `Ok(None)` when it already did.
@@ -163,17 +239,21 @@ impl Bucket {
     /// (read from the leader on a replicated bucket) tells a value (`None`) from a delete
     /// marker, which is written over at its revision. Any other failure is the caller's to
     /// retry (API callers see it as `unavailable`).
-    pub async fn create<T: Serialize>(&self, key: &str, value: &T) -> Result<Option<u64>, KvError> {
+    pub async fn create<T: Serialize + Retained>(
+        &self,
+        key: &str,
+        value: &T,
+    ) -> Result<Option<u64>, KvError> {
         const ATTEMPTS: u32 = 5;
         let bytes = self.encode(key, value)?;
+        let finished = value.finished();
         let mut expected = 0;
         for attempt in 1..=ATTEMPTS {
-            match self.store.update(key, bytes.clone(), expected).await {
-                Ok(rev) => return Ok(Some(rev)),
-                Err(e)
-                    if e.kind() == UpdateErrorKind::WrongLastRevision
-                        || crate::js_codes::is_wrong_last_sequence(&e) => {}
-                Err(e) => return Err(self.nats("create", key, e)),
+            let written = self
+                .write("create", key, bytes.clone(), Some(expected), finished)
+                .await?;
+            if let Some(rev) = written {
+                return Ok(Some(rev));
             }
             match self.last(key).await? {
                 Some(Last::Value(_, _)) => return Ok(None),
@@ -192,23 +272,15 @@ impl Bucket {
     }
 
     /// Writes only if the key is still at `revision`; `Ok(None)` when someone wrote first.
-    pub async fn update<T: Serialize>(
+    pub async fn update<T: Serialize + Retained>(
         &self,
         key: &str,
         value: &T,
         revision: u64,
     ) -> Result<Option<u64>, KvError> {
         let bytes = self.encode(key, value)?;
-        match self.store.update(key, bytes, revision).await {
-            Ok(rev) => Ok(Some(rev)),
-            Err(e)
-                if e.kind() == UpdateErrorKind::WrongLastRevision
-                    || crate::js_codes::is_wrong_last_sequence(&e) =>
-            {
-                Ok(None)
-            }
-            Err(e) => Err(self.nats("update", key, e)),
-        }
+        self.write("update", key, bytes, Some(revision), value.finished())
+            .await
     }
 
     /// Deletes the key only if it is still at `revision`; `Ok(false)` when someone wrote first.
@@ -229,7 +301,7 @@ impl Bucket {
     /// decides; returns the value that is stored afterwards.
     pub async fn modify<T, F>(&self, key: &str, f: F) -> Result<Option<T>, KvError>
     where
-        T: Serialize + DeserializeOwned,
+        T: Serialize + DeserializeOwned + Retained,
         F: FnMut(Option<&T>) -> Change<T>,
     {
         self.modify_from(key, None, f).await
@@ -239,7 +311,7 @@ impl Bucket {
     /// only if `f` changed it. Returns the record stored afterwards, `None` if there is none.
     pub async fn edit<T, F>(&self, key: &str, f: F) -> Result<Option<T>, KvError>
     where
-        T: Serialize + DeserializeOwned + Clone + PartialEq,
+        T: Serialize + DeserializeOwned + Retained + Clone + PartialEq,
         F: Fn(&mut T),
     {
         self.modify::<T, _>(key, |cur| match cur {
@@ -266,7 +338,7 @@ impl Bucket {
         mut f: F,
     ) -> Result<Option<T>, KvError>
     where
-        T: Serialize + DeserializeOwned,
+        T: Serialize + DeserializeOwned + Retained,
         F: FnMut(Option<&T>) -> Change<T>,
     {
         const ATTEMPTS: u32 = 16;
@@ -307,14 +379,33 @@ impl Bucket {
         &self,
         filter: &str,
     ) -> Result<Vec<(String, T)>, KvError> {
+        self.entries_written_since(filter, None).await
+    }
+
+    /// Like [`Bucket::entries_matching`], only the entries last written at or after `since`
+    /// (found by the stream's time index: the cost follows those entries).
+    pub async fn entries_written_since<T: DeserializeOwned>(
+        &self,
+        filter: &str,
+        since: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<Vec<(String, T)>, KvError> {
         use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
         let err = |e: async_nats::Error| self.nats("keys", filter, e);
+        let deliver_policy = match since {
+            None => DeliverPolicy::LastPerSubject,
+            Some(t) => DeliverPolicy::ByStartTime {
+                start_time: time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(
+                    t.timestamp_nanos_opt().unwrap_or(0),
+                ))
+                .unwrap_or(time::OffsetDateTime::UNIX_EPOCH),
+            },
+        };
         let consumer = self
             .store
             .stream
             .create_consumer(OrderedConfig {
                 filter_subject: format!("{}{filter}", self.store.prefix),
-                deliver_policy: DeliverPolicy::LastPerSubject,
+                deliver_policy,
                 ..Default::default()
             })
             .await
@@ -349,6 +440,86 @@ impl Bucket {
             }
         }
         Ok(entries)
+    }
+
+    /// The live records among the stream messages in `[lo, before)` (newest first), where
+    /// `lo` is at most `window` sequences back: one ordered consumer reads that range and no
+    /// more, so the cost follows the window, not the bucket. `filter` narrows the keys (a key
+    /// pattern with `*`/`>` wildcards). Returns the records with their stream sequences and
+    /// where an older window would end (`None`: nothing older is left).
+    pub async fn newest<T: DeserializeOwned>(
+        &self,
+        filter: &str,
+        before: Option<u64>,
+        window: u64,
+    ) -> Result<(Vec<(u64, String, T)>, Option<u64>), KvError> {
+        use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+        let err = |e: async_nats::Error| self.nats("page", filter, e);
+        let info = self
+            .store
+            .stream
+            .clone()
+            .info()
+            .await
+            .map_err(|e| err(e.into()))?
+            .state
+            .clone();
+        let hi = before
+            .map(|b| b.saturating_sub(1))
+            .unwrap_or(info.last_sequence)
+            .min(info.last_sequence);
+        let first = info.first_sequence.max(1);
+        if hi < first {
+            return Ok((Vec::new(), None));
+        }
+        let lo = hi.saturating_sub(window.max(1) - 1).max(first);
+        let next = (lo > first).then_some(lo);
+        let consumer = self
+            .store
+            .stream
+            .create_consumer(OrderedConfig {
+                filter_subject: format!("{}{filter}", self.store.prefix),
+                deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: lo },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| err(e.into()))?;
+        let mut out = Vec::new();
+        if consumer.cached_info().num_pending == 0 {
+            return Ok((out, next));
+        }
+        let mut messages = consumer
+            .clone()
+            .messages()
+            .await
+            .map_err(|e| err(e.into()))?;
+        while let Some(m) = futures::StreamExt::next(&mut messages).await {
+            let m = m.map_err(|e| err(e.into()))?;
+            let Ok(meta) = m.info() else { break };
+            let (seq, pending) = (meta.stream_sequence, meta.pending);
+            if seq > hi {
+                break;
+            }
+            let live = m
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("KV-Operation"))
+                .is_none_or(|op| op.as_str() == "PUT");
+            let key = m.subject.as_str().strip_prefix(&self.store.prefix);
+            if let (true, Some(key)) = (live, key) {
+                match self.decode(key, &m.payload) {
+                    Ok(v) => out.push((seq, key.to_string(), v)),
+                    Err(e) => {
+                        tracing::warn!(bucket = %self.name, %key, error = %e, "skipping unreadable record")
+                    }
+                }
+            }
+            if pending == 0 || seq == hi {
+                break;
+            }
+        }
+        out.reverse();
+        Ok((out, next))
     }
 
     /// Every live key's value (skipping unreadable ones, which are logged).

@@ -225,6 +225,25 @@ pub struct HostRecord {
     pub version: String,
 }
 
+impl crate::retention::Retained for SessionRecord {
+    fn finished(&self) -> bool {
+        !self.is_active()
+    }
+}
+
+impl crate::retention::Retained for TurnRecord {
+    fn finished(&self) -> bool {
+        self.state.is_terminal()
+    }
+}
+
+/// Hosts drop out by the bucket's age limit (the host TTL), not by retention.
+impl crate::retention::Retained for HostRecord {
+    fn finished(&self) -> bool {
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

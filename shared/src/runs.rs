@@ -207,6 +207,12 @@ pub struct RunRef {
     pub run: RunId,
 }
 
+impl crate::retention::Retained for RunRecord {
+    fn finished(&self) -> bool {
+        self.state.is_terminal()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

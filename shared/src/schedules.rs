@@ -233,7 +233,10 @@ pub struct Backfill {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct ListSchedules {}
+pub struct ListSchedules {
+    #[serde(flatten)]
+    pub page: crate::page::PageRequest,
+}
 
 /// `schedule show`: the record, the next five fire times in its zone, the latest slots.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -248,6 +251,22 @@ pub struct ScheduleView {
 pub struct ListRuns {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<String>,
+    #[serde(flatten)]
+    pub page: crate::page::PageRequest,
+}
+
+/// A schedule stays until it is deleted.
+impl crate::retention::Retained for ScheduleRecord {
+    fn finished(&self) -> bool {
+        false
+    }
+}
+
+/// A slot's record is written once, decided: history from the start.
+impl crate::retention::Retained for SlotRecord {
+    fn finished(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

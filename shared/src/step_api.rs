@@ -123,6 +123,8 @@ pub struct StepStatus {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ListSteps {
     pub caller: Caller,
+    #[serde(flatten)]
+    pub page: crate::page::PageRequest,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

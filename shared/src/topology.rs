@@ -26,8 +26,11 @@ pub struct TopologyConfig {
     pub host_ttl: Duration,
     /// Per-stream consumer ceiling (the server's default of 1,000 is far too low for lanes).
     pub max_consumers: i32,
-    /// How long lifecycle events are kept.
+    /// How long lifecycle events (and dead letters) are kept.
     pub events_max_age: Duration,
+    /// How long a finished record stays after its last write (`retention`): runs, slots,
+    /// stopped sessions; turns and executions [`TREE_MARGIN`] longer.
+    pub record_retention: Duration,
     /// Copies of every stream and bucket in a JetStream cluster (1 on a single server; 3 to
     /// survive the loss of any one of three servers).
     pub replicas: usize,
@@ -43,6 +46,7 @@ impl Default for TopologyConfig {
             host_ttl: Duration::from_secs(15),
             max_consumers: 1_000_000,
             events_max_age: Duration::from_secs(7 * 24 * 3600),
+            record_retention: crate::retention::DEFAULT_RECORD_RETENTION,
             replicas: 1,
         }
     }
@@ -89,6 +93,10 @@ pub enum TopologyError {
     },
 }
 
+/// How much longer than runs the turns and executions are kept: a run's tree stays whole for
+/// its own retention as long as the run lasted less than this.
+pub const TREE_MARGIN: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// The buckets every service opens.
 #[derive(Clone)]
 pub struct Buckets {
@@ -133,7 +141,7 @@ pub async fn bind(js: &jetstream::Context) -> Result<Buckets, TopologyError> {
     let open = |name: &'static str| async move {
         js.get_key_value(name)
             .await
-            .map(|store| crate::kv::Bucket::new(store, name))
+            .map(|store| crate::kv::Bucket::new(store, name, js.clone()))
             .map_err(|e| TopologyError::Bind {
                 what: "kv bucket",
                 name: name.to_string(),
@@ -208,26 +216,71 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         c.storage = stream::StorageType::Memory;
         c
     };
-    for config in [
-        bucket(subjects::SESSIONS_BUCKET, Duration::ZERO),
-        bucket(subjects::TURNS_BUCKET, Duration::ZERO),
-        bucket(subjects::HOSTS_BUCKET, cfg.host_ttl),
-        bucket(subjects::EXECUTIONS_BUCKET, Duration::ZERO),
-        bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO),
-        bucket(subjects::RUNS_BUCKET, Duration::ZERO),
-        bucket(subjects::SCHEDULES_BUCKET, Duration::ZERO),
-        bucket(subjects::SLOTS_BUCKET, Duration::ZERO),
-        in_memory(bucket(subjects::REPLICAS_BUCKET, Duration::ZERO)),
+    let record = cfg.record_retention;
+    let tree = record + TREE_MARGIN;
+    for (config, retention) in [
+        (
+            bucket(subjects::SESSIONS_BUCKET, Duration::ZERO),
+            Some(record),
+        ),
+        (bucket(subjects::TURNS_BUCKET, Duration::ZERO), Some(tree)),
+        (bucket(subjects::HOSTS_BUCKET, cfg.host_ttl), None),
+        (
+            bucket(subjects::EXECUTIONS_BUCKET, Duration::ZERO),
+            Some(tree),
+        ),
+        (bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO), None),
+        (bucket(subjects::RUNS_BUCKET, Duration::ZERO), Some(record)),
+        (bucket(subjects::SCHEDULES_BUCKET, Duration::ZERO), None),
+        (bucket(subjects::SLOTS_BUCKET, Duration::ZERO), Some(record)),
+        (
+            in_memory(bucket(subjects::REPLICAS_BUCKET, Duration::ZERO)),
+            None,
+        ),
     ] {
         let name = config.bucket.clone();
-        js.create_or_update_key_value(config)
-            .await
-            .map_err(|e| TopologyError::Bucket {
-                name,
-                source: e.into(),
-            })?;
+        let err = |e: async_nats::Error| TopologyError::Bucket {
+            name: name.clone(),
+            source: e,
+        };
+        match retention {
+            None => {
+                js.create_or_update_key_value(config)
+                    .await
+                    .map_err(|e| err(e.into()))?;
+            }
+            Some(retention) => {
+                js.create_or_update_stream(record_bucket_stream(&config, retention))
+                    .await
+                    .map_err(|e| err(e.into()))?;
+            }
+        }
     }
     Ok(())
+}
+
+/// The stream behind a bucket of records with a retention: what the KV API would create for
+/// `config` (one value per key, direct gets, rollups, no deletes through the stream API),
+/// plus per-message TTLs and the retention in its metadata (see `retention`). Written as a
+/// stream so provisioning again keeps both (a KV update would try to drop them).
+fn record_bucket_stream(config: &kv::Config, retention: Duration) -> stream::Config {
+    let mut s = stream::Config {
+        name: format!("KV_{}", config.bucket),
+        subjects: vec![format!("$KV.{}.>", config.bucket)],
+        max_messages_per_subject: config.history,
+        max_age: config.max_age,
+        storage: config.storage,
+        num_replicas: config.num_replicas.max(1),
+        allow_direct: true,
+        allow_rollup: true,
+        deny_delete: true,
+        deny_purge: false,
+        discard: stream::DiscardPolicy::New,
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    };
+    crate::retention::mark(&mut s, retention);
+    s
 }
 
 /// A session's exclusive lane consumer: one item in flight, pinned to one replica (R1).

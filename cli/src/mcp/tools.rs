@@ -85,8 +85,14 @@ impl<B: Backend> Tools<B> {
     pub async fn list_steps(&self, _: ListStepsParams) -> Result<String, String> {
         let run = async {
             let caller = self.caller()?;
-            let recs: Vec<ExecutionRecord> = self.api(subj::LIST, &ListSteps { caller }).await?;
-            let recs: Vec<ExecutionRecord> = recs.iter().map(ExecutionRecord::redacted).collect();
+            let req = ListSteps {
+                caller,
+                page: Default::default(),
+            };
+            let page: turnstile_shared::page::Page<ExecutionRecord> =
+                self.api(subj::LIST, &req).await?;
+            let recs: Vec<ExecutionRecord> =
+                page.items.iter().map(ExecutionRecord::redacted).collect();
             let mut text: String = recs.iter().map(|r| summary(r) + "\n").collect();
             if recs.is_empty() {
                 text.push_str("no steps\n");

@@ -5,8 +5,7 @@
 use std::sync::Arc;
 
 use async_nats::service::ServiceExt;
-use chrono::Utc;
-use futures::TryStreamExt;
+use chrono::{DateTime, TimeDelta, Utc};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{ApiError, ErrorCode};
@@ -28,6 +27,8 @@ use crate::{Ctx, Error};
 const MAX_BACKFILL: usize = 500;
 /// Slot records `show` returns, newest first.
 const SHOW_SLOTS: usize = 20;
+/// How far back `show` looks for slot records (their default retention).
+const LOOK_BACK: TimeDelta = TimeDelta::days(30);
 
 pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
     let service = ctx
@@ -143,15 +144,15 @@ async fn add(ctx: Arc<Ctx>, spec: ScheduleSpec) -> Result<ScheduleRecord, ApiErr
     Ok(record)
 }
 
-async fn list(ctx: Arc<Ctx>, _req: ListSchedules) -> Result<Vec<ScheduleRecord>, ApiError> {
-    let mut all = ctx
-        .buckets
-        .schedules
-        .values::<ScheduleRecord>()
-        .await
-        .map_err(ApiError::from)?;
-    all.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
-    Ok(all)
+/// One page of schedules, most recently written first.
+async fn list(
+    ctx: Arc<Ctx>,
+    req: ListSchedules,
+) -> Result<turnstile_shared::page::Page<ScheduleRecord>, ApiError> {
+    turnstile_shared::page::newest(&ctx.buckets.schedules, ">", &req.page, |_, s| {
+        Some::<ScheduleRecord>(s)
+    })
+    .await
 }
 
 async fn show(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleView, ApiError> {
@@ -163,7 +164,7 @@ async fn show(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleView, ApiError>
         .into_iter()
         .map(|t| t.with_timezone(&zone).to_rfc3339())
         .collect();
-    let slots = slots_of(&ctx, &req.name).await?;
+    let slots = slots_of(&ctx, &schedule, &cron).await?;
     Ok(ScheduleView {
         schedule,
         next,
@@ -171,34 +172,44 @@ async fn show(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleView, ApiError>
     })
 }
 
-/// The schedule's latest slot records (a scan of the keys under its name).
-async fn slots_of(ctx: &Ctx, name: &str) -> Result<Vec<SlotRecord>, ApiError> {
-    let prefix = format!("{name}.");
-    let keys: Vec<String> = ctx
+/// The schedule's latest slot records: those written since its [`SHOW_SLOTS`]th latest slot
+/// (found from the cron, the records by the stream's time index), so the cost follows the
+/// slots shown, not the schedule's history nor the other schedules'.
+async fn slots_of(
+    ctx: &Ctx,
+    s: &ScheduleRecord,
+    cron: &CronSpec,
+) -> Result<Vec<SlotRecord>, ApiError> {
+    let since = latest_slots_from(cron, s.cursor, SHOW_SLOTS);
+    let mut out: Vec<SlotRecord> = ctx
         .buckets
         .slots
-        .store()
-        .keys()
+        .entries_written_since(&format!("{}.>", s.spec.name), Some(since))
         .await
-        .map_err(ApiError::internal)?
-        .try_collect()
-        .await
-        .map_err(ApiError::internal)?;
-    let mut out = Vec::new();
-    for k in keys.iter().filter(|k| k.starts_with(&prefix)) {
-        if let Some((r, _)) = ctx
-            .buckets
-            .slots
-            .get::<SlotRecord>(k)
-            .await
-            .map_err(ApiError::from)?
-        {
-            out.push(r);
-        }
-    }
+        .map_err(ApiError::from)?
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect();
     out.sort_by_key(|r| std::cmp::Reverse(r.slot));
     out.truncate(SHOW_SLOTS);
     Ok(out)
+}
+
+/// The `n`th latest slot at or before `until` (looking back at most a retention's worth,
+/// [`LOOK_BACK`]); slot records are written at or after their slot.
+fn latest_slots_from(cron: &CronSpec, until: DateTime<Utc>, n: usize) -> DateTime<Utc> {
+    let mut span = TimeDelta::minutes(1);
+    loop {
+        let from = until - span;
+        let slots = cron.slots_between(from, until, 100_000);
+        if slots.len() >= n {
+            return slots[slots.len() - n];
+        }
+        if span >= LOOK_BACK {
+            return from;
+        }
+        span = (span * 4).min(LOOK_BACK);
+    }
 }
 
 async fn pause(ctx: Arc<Ctx>, req: PauseSchedule) -> Result<ScheduleRecord, ApiError> {

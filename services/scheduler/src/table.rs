@@ -67,7 +67,11 @@ impl Table {
 
     /// The schedule was deleted (at `revision`).
     pub fn remove(&mut self, name: &str, revision: u64) {
-        if self.entries.get(name).is_some_and(|e| e.revision < revision) {
+        if self
+            .entries
+            .get(name)
+            .is_some_and(|e| e.revision < revision)
+        {
             self.entries.remove(name);
         }
     }

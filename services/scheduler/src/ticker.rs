@@ -107,7 +107,8 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     }
 }
 
-type Change = Option<Result<async_nats::jetstream::kv::Entry, async_nats::jetstream::kv::WatcherError>>;
+type Change =
+    Option<Result<async_nats::jetstream::kv::Entry, async_nats::jetstream::kv::WatcherError>>;
 
 /// Applies one watch message to the table; `false` when the watch has ended or failed (it is
 /// then opened again, which re-reads every schedule).

@@ -133,16 +133,17 @@ async fn stopped_session(stack: &mut Stack) -> Result<()> {
     let (agent, mut events) = connect_agent(stack, &caller).await?;
     // The open connection works before the stop (an error reply from the broker is an answer).
     let list = Principal::Session(s.clone()).steps(subj::LIST);
-    let listed: Vec<ExecutionRecord> = api::call(
+    let listed: turnstile_shared::page::Page<ExecutionRecord> = api::call(
         &agent,
         &list,
         &turnstile_shared::step_api::ListSteps {
             caller: caller.clone(),
+            page: Default::default(),
         },
         API,
     )
     .await?;
-    ensure!(listed.is_empty(), "{listed:?}");
+    ensure!(listed.items.is_empty(), "{listed:?}");
     while events.try_recv().is_ok() {}
 
     let stopped_at = tokio::time::Instant::now();
@@ -181,11 +182,12 @@ async fn stopped_session(stack: &mut Stack) -> Result<()> {
     let other = stack.create_session("staying", None).await?;
     let other_caller = stack.caller(&other).await?;
     let (still, _) = connect_agent(stack, &other_caller).await?;
-    let _: Vec<ExecutionRecord> = api::call(
+    let _: turnstile_shared::page::Page<ExecutionRecord> = api::call(
         &still,
         &Principal::Session(other.clone()).steps(subj::LIST),
         &turnstile_shared::step_api::ListSteps {
             caller: other_caller,
+            page: Default::default(),
         },
         API,
     )

@@ -18,6 +18,7 @@ mod lanes;
 mod mcp;
 mod provision;
 mod real_cli;
+mod retention;
 mod runs;
 mod schedules;
 mod stack;

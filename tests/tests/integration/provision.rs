@@ -44,8 +44,13 @@ async fn provision_late(stack: &mut Stack) -> Result<()> {
         )
         .await?;
     }
-    let before: Result<Vec<serde_json::Value>, api::ApiError> =
-        api::call(&stack.client, subj::SESSION_LIST, &ListSessions {}, API).await;
+    let before: Result<serde_json::Value, api::ApiError> = api::call(
+        &stack.client,
+        subj::SESSION_LIST,
+        &ListSessions::default(),
+        API,
+    )
+    .await;
     ensure!(
         matches!(&before, Err(e) if e.code == ErrorCode::Unavailable),
         "no session API before provisioning: {before:?}"

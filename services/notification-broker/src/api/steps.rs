@@ -26,7 +26,6 @@ use crate::Ctx;
 
 const MAX_NAME: usize = 200;
 const MAX_ARGV: usize = 64 * 1024;
-const LIST_LIMIT: usize = 200;
 
 /// Where a new step hangs in the tree and who owns it.
 struct Placement {
@@ -452,23 +451,17 @@ pub(super) async fn list(
     ctx: Arc<Ctx>,
     principal: Principal,
     req: ListSteps,
-) -> Result<Vec<ExecutionRecord>, ApiError> {
+) -> Result<turnstile_shared::page::Page<ExecutionRecord>, ApiError> {
     let identity = authenticate(&ctx, &principal, &req.caller, "list steps").await?;
     let session = match &identity {
         Identity::Session(s) => s.id.clone(),
         Identity::Step(p) => p.session.clone(),
     };
-    let mut steps: Vec<ExecutionRecord> = ctx
-        .buckets
-        .executions
-        .values::<ExecutionRecord>()
-        .await
-        .map_err(ApiError::from)?
-        .into_iter()
-        .filter(|r| r.kind == ExecKind::Step && (r.session == session || r.may_receive(&session)))
-        .map(|r| r.redacted())
-        .collect();
-    steps.sort_by_key(|r| std::cmp::Reverse(r.created_at));
-    steps.truncate(LIST_LIMIT);
-    Ok(steps)
+    // One page, most recently written first (see `page`): the session's steps are picked
+    // out of the window read.
+    let mine = |_, r: ExecutionRecord| {
+        (r.kind == ExecKind::Step && (r.session == session || r.may_receive(&session)))
+            .then(|| r.redacted())
+    };
+    turnstile_shared::page::newest(&ctx.buckets.executions, ">", &req.page, mine).await
 }

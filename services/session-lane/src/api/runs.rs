@@ -108,19 +108,13 @@ pub(super) async fn show_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, Ap
 pub(super) async fn list_runs(
     ctx: Arc<Ctx>,
     req: turnstile_shared::schedules::ListRuns,
-) -> Result<Vec<RunRecord>, ApiError> {
-    let mut runs: Vec<RunRecord> = ctx
-        .buckets
-        .runs
-        .values::<RunRecord>()
-        .await
-        .map_err(ApiError::from)?
-        .into_iter()
-        .filter(|r| req.schedule.is_none() || r.schedule == req.schedule)
-        .collect();
-    runs.sort_by_key(|r| std::cmp::Reverse(r.created_at));
-    runs.truncate(200);
-    Ok(runs)
+) -> Result<turnstile_shared::page::Page<RunRecord>, ApiError> {
+    // One page, most recently written first (see `page`): a schedule's runs are picked out of
+    // the window read.
+    turnstile_shared::page::newest(&ctx.buckets.runs, ">", &req.page, |_, r: RunRecord| {
+        (req.schedule.is_none() || r.schedule == req.schedule).then_some(r)
+    })
+    .await
 }
 
 /// Cancels a run: a queued one ends `failed: cancelled` at once; a running one stops at its

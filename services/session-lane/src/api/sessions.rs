@@ -342,20 +342,22 @@ fn stopped_state(ended_at: chrono::DateTime<Utc>) -> TurnState {
     }
 }
 
-pub(super) async fn list(ctx: Arc<Ctx>, _req: ListSessions) -> Result<Vec<SessionView>, ApiError> {
-    let mut sessions = ctx
-        .buckets
-        .sessions
-        .values::<SessionRecord>()
-        .await
-        .map_err(ApiError::from)?;
-    sessions.sort_by_key(|s| s.created_at);
+/// One page of sessions, most recently written first, each with its lane's state.
+pub(super) async fn list(
+    ctx: Arc<Ctx>,
+    req: ListSessions,
+) -> Result<turnstile_shared::page::Page<SessionView>, ApiError> {
+    let page = turnstile_shared::page::newest(&ctx.buckets.sessions, ">", &req.page, |_, s| {
+        Some::<SessionRecord>(s)
+    })
+    .await?;
     let hosts = live_hosts(&ctx).await?;
-    let mut out = Vec::with_capacity(sessions.len());
-    for s in sessions {
-        out.push(view(&ctx, s, &hosts).await?);
-    }
-    Ok(out)
+    let views = futures::future::join_all(page.items.into_iter().map(|s| view(&ctx, s, &hosts)));
+    let items = views.await.into_iter().collect::<Result<Vec<_>, _>>()?;
+    Ok(turnstile_shared::page::Page {
+        items,
+        next: page.next,
+    })
 }
 
 pub(super) async fn show(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionView, ApiError> {

@@ -42,6 +42,13 @@ struct Alive {
     since: chrono::DateTime<chrono::Utc>,
 }
 
+/// Live while renewed; purged with the instance's pins when a survivor takes it over.
+impl turnstile_shared::retention::Retained for Alive {
+    fn finished(&self) -> bool {
+        false
+    }
+}
+
 /// A peer as this replica last saw it.
 struct Peer {
     revision: u64,
