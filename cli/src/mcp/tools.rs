@@ -351,13 +351,13 @@ mod tests {
         assert!(fake.calls.lock().unwrap()[0].0.ends_with(".status"));
         assert_eq!(fake.calls.lock().unwrap()[0].1["step"], id.to_string());
 
-        let (t, fake) = tools(Some(caller()), Some(json!([record(&id)])));
+        let (t, fake) = tools(Some(caller()), Some(json!({"items": [record(&id)]})));
         let text = call(&t, "list_steps", json!({})).await.unwrap();
         assert!(text.starts_with(&format!("{id} queued [run] build")));
         assert!(!text.contains("secret-token"));
         assert!(fake.calls.lock().unwrap()[0].0.ends_with(".list"));
 
-        let (t, _) = tools(Some(caller()), Some(json!([])));
+        let (t, _) = tools(Some(caller()), Some(json!({"items": []})));
         let text = call(&t, "list_steps", json!({})).await.unwrap();
         assert!(text.starts_with("no steps\n"), "{text}");
 
