@@ -143,6 +143,11 @@ impl Deployment {
         }
     }
 
+    /// The (first) nats-server's process id.
+    pub fn server_pid(&self) -> Option<u32> {
+        self._nats.first().and_then(|n| n.pid())
+    }
+
     pub async fn connect(url: &str) -> Result<async_nats::Client> {
         Ok(turnstile_shared::config::connect_once(url, "turnstile-bench").await?)
     }

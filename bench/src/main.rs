@@ -15,6 +15,7 @@ mod failover;
 mod floor;
 mod inproc;
 mod lanes;
+mod scale;
 mod schedules;
 
 use anyhow::{bail, Result};
@@ -80,12 +81,24 @@ async fn main() -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&figures)?);
             return Ok(());
         }
+        Some("scale") => {
+            turnstile_shared::telemetry::init_with_default("warn");
+            if cluster.is_some() || accounts {
+                bail!("scale runs on one open server");
+            }
+            let d = deployment::Deployment::start(false).await?;
+            let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
+            turnstile_shared::topology::provision(&js, &Default::default()).await?;
+            let figures = scale::measure(&d, num(1, 10_000)).await?;
+            println!("{}", serde_json::to_string_pretty(&figures)?);
+            return Ok(());
+        }
         Some("failover") => {
             turnstile_shared::telemetry::init_with_default("warn");
             return failover_bench(accounts, cluster, num(1, 1000)).await;
         }
         _ => bail!(
-            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench floor [--auth | --replicas 3 [--sync always|default]] [ROUND_TRIPS=2000]\n       turnstile-bench failover [--auth | --replicas 3 [--sync always|default]] [SESSIONS=1000]\n       turnstile-bench schedules [SCHEDULES=1000]"
+            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench floor [--auth | --replicas 3 [--sync always|default]] [ROUND_TRIPS=2000]\n       turnstile-bench failover [--auth | --replicas 3 [--sync always|default]] [SESSIONS=1000]\n       turnstile-bench schedules [SCHEDULES=1000]\n       turnstile-bench scale [SESSIONS=10000]"
         ),
     }
     turnstile_shared::telemetry::init_with_default("warn");

@@ -21,6 +21,7 @@ mod ctx;
 mod handoff;
 mod lane;
 mod liveness;
+mod placement;
 mod supervisor;
 mod turn_watch;
 
@@ -129,7 +130,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         handback: Default::default(),
         completions: Default::default(),
         left_pending: Default::default(),
+        placement: Default::default(),
     });
+    tokio::spawn(placement::watch_hosts(ctx.clone(), stop.child_token()));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");
 
     let liveness = {

@@ -87,6 +87,8 @@ fn apply(
     active: Option<SessionRecord>,
 ) {
     workers.retain(|_, w| !w.task.is_finished());
+    ctx.placement
+        .session(&session, active.as_ref().map(|r| &r.host));
     match active {
         Some(record) if !workers.contains_key(&session) => {
             let cancel = CancellationToken::new();

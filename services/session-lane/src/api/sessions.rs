@@ -23,6 +23,13 @@ use turnstile_shared::{subjects, topology, HostName, SessionId, TurnId};
 use crate::ctx::Ctx;
 
 async fn live_hosts(ctx: &Ctx) -> Result<Vec<HostRecord>, ApiError> {
+    // The hosts bucket's age limit is the host TTL it was provisioned with.
+    let ttl = ctx.buckets.hosts.store().stream.cached_info().config.max_age;
+    let ttl = if ttl.is_zero() { ctx.topology.host_ttl } else { ttl };
+    if let Some(hosts) = ctx.placement.live(ttl) {
+        return Ok(hosts);
+    }
+    // Until the watch has caught up (a replica just started).
     ctx.buckets
         .hosts
         .values::<HostRecord>()
@@ -42,21 +49,9 @@ async fn place(ctx: &Ctx, pinned: Option<HostName>) -> Result<HostName, ApiError
             format!("host {h} is not heartbeating; start `turnstile-transport-agent --host {h}`"),
         ));
     }
-    let sessions = ctx
-        .buckets
-        .sessions
-        .values::<SessionRecord>()
-        .await
-        .map_err(ApiError::from)?;
     hosts
         .into_iter()
-        .map(|h| {
-            let n = sessions
-                .iter()
-                .filter(|s| s.is_active() && s.host == h.name)
-                .count();
-            (n, h.name)
-        })
+        .map(|h| (ctx.placement.count(&h.name), h.name))
         .min()
         .map(|(_, h)| h)
         .ok_or_else(|| {
@@ -139,6 +134,9 @@ pub(super) async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionR
         .create(record.id.as_str(), &record)
         .await
         .map_err(ApiError::from)?;
+    // Counted at once, so a burst of creates spreads over the hosts (the supervisor's watch
+    // would count it a little later).
+    ctx.placement.session(&record.id, Some(&host));
     let start = StartCommand {
         session: record.id.clone(),
     };

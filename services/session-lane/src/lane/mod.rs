@@ -62,7 +62,8 @@ async fn serve(
 ) -> Result<(), LaneError> {
     let name = subjects::lane_consumer(&session.id);
     let consumer = topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
-    ctx.completion_consumer(&session.id).await?;
+    // The completion consumer is bound on first need (a delivery or a run collecting): an idle
+    // session that never had work finish for it holds one server-side consumer, its lane's.
     rearm_if_pending(ctx, &session.id);
     let expiry = ctx.topology.lane_pull_expiry();
     let mut messages = consumer

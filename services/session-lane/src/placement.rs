@@ -1,0 +1,143 @@
+//! Where a new session goes, without reading the store: the live transport hosts as this
+//! replica sees them (kept by a watch on `ts_hosts`) and how many active sessions each serves
+//! (kept by the supervisor, which follows every session anyway). Reading every host and every
+//! session per create made creation cost grow with the fleet (32 a second at 1,000 sessions).
+//!
+//! A host is live while its heartbeats keep arriving: its last one is younger than the hosts
+//! bucket's age limit (the host TTL it was provisioned with), judged by the server's timestamp
+//! of the message.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::kv::Operation;
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use turnstile_shared::records::HostRecord;
+use turnstile_shared::{HostName, SessionId};
+
+use crate::ctx::Ctx;
+use crate::turn_watch::sleep_or_cancel;
+
+#[derive(Default)]
+pub(crate) struct Placement {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Each host's last heartbeat and when the server stored it.
+    hosts: HashMap<HostName, (HostRecord, DateTime<Utc>)>,
+    /// Whether the watch has delivered the bucket's state once.
+    ready: bool,
+    sessions: HashMap<SessionId, HostName>,
+    counts: HashMap<HostName, usize>,
+}
+
+impl Placement {
+    /// The live hosts, or `None` until the watch has caught up (the caller reads the bucket).
+    pub fn live(&self, ttl: Duration) -> Option<Vec<HostRecord>> {
+        let inner = self.inner.lock().ok()?;
+        if !inner.ready {
+            return None;
+        }
+        let ttl = chrono::TimeDelta::from_std(ttl).unwrap_or(chrono::TimeDelta::MAX);
+        let now = Utc::now();
+        Some(
+            inner
+                .hosts
+                .values()
+                .filter(|(_, at)| now - *at < ttl)
+                .map(|(r, _)| r.clone())
+                .collect(),
+        )
+    }
+
+    /// Active sessions placed on `host`.
+    pub fn count(&self, host: &HostName) -> usize {
+        self.inner
+            .lock()
+            .map(|i| i.counts.get(host).copied().unwrap_or(0))
+            .unwrap_or(0)
+    }
+
+    /// `session` is active on `host`, or (with `None`) no longer active.
+    pub fn session(&self, session: &SessionId, host: Option<&HostName>) {
+        let Ok(mut inner) = self.inner.lock() else {
+            return;
+        };
+        let before = match host {
+            Some(h) => inner.sessions.insert(session.clone(), h.clone()),
+            None => inner.sessions.remove(session),
+        };
+        if let Some(b) = before {
+            if let Some(n) = inner.counts.get_mut(&b) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        if let Some(h) = host {
+            *inner.counts.entry(h.clone()).or_default() += 1;
+        }
+    }
+
+    fn heartbeat(&self, record: HostRecord, at: DateTime<Utc>, caught_up: bool) {
+        if let Ok(mut inner) = self.inner.lock() {
+            inner.hosts.insert(record.name.clone(), (record, at));
+            inner.ready |= caught_up;
+        }
+    }
+
+    fn forget(&self, host: &str) {
+        if let Ok(mut inner) = self.inner.lock() {
+            inner.hosts.retain(|h, _| h.as_str() != host);
+        }
+    }
+}
+
+/// Follows `ts_hosts` into `ctx.placement` until `shutdown`.
+pub(crate) async fn watch_hosts(ctx: Arc<Ctx>, shutdown: CancellationToken) {
+    loop {
+        let mut watch = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return,
+            w = ctx.buckets.hosts.store().watch_with_history(">") => match w {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::warn!(error = %e, "watch hosts bucket; retrying");
+                    sleep_or_cancel(&shutdown, Duration::from_millis(500)).await;
+                    continue;
+                }
+            },
+        };
+        loop {
+            let entry = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return,
+                e = watch.next() => e,
+            };
+            match entry {
+                Some(Ok(e)) => match e.operation {
+                    Operation::Put => match serde_json::from_slice::<HostRecord>(&e.value) {
+                        Ok(r) => {
+                            let at = DateTime::from_timestamp(
+                                e.created.unix_timestamp(),
+                                e.created.nanosecond(),
+                            )
+                            .unwrap_or_else(Utc::now);
+                            ctx.placement.heartbeat(r, at, e.delta == 0);
+                        }
+                        Err(err) => tracing::warn!(key = %e.key, error = %err, "unreadable host record"),
+                    },
+                    Operation::Delete | Operation::Purge => ctx.placement.forget(&e.key),
+                },
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "hosts watch interrupted; re-watching");
+                    break;
+                }
+                None => break,
+            }
+        }
+    }
+}
