@@ -15,8 +15,11 @@ mod failover;
 mod floor;
 mod inproc;
 mod lanes;
+mod plot;
+mod procs;
 mod scale;
 mod schedules;
+mod soak;
 
 use anyhow::{bail, Result};
 
@@ -52,6 +55,10 @@ async fn main() -> Result<()> {
     let sync = take_option(&mut args, "--sync")?
         .map(|s| cluster::Sync::parse(&s))
         .transpose()?;
+    // `soak --minutes N [--retention 2m] [--png soak.png]`.
+    let minutes = take_option(&mut args, "--minutes")?;
+    let retention = take_option(&mut args, "--retention")?;
+    let png = take_option(&mut args, "--png")?;
     let cluster = match (replicas.as_deref(), sync) {
         (None | Some("1"), None) => None,
         (Some("3"), sync) => Some(sync.unwrap_or(cluster::Sync::Default)),
@@ -93,12 +100,33 @@ async fn main() -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&figures)?);
             return Ok(());
         }
+        Some("soak") => {
+            turnstile_shared::telemetry::init_with_default("warn");
+            if cluster.is_some() || accounts {
+                bail!("soak runs on one open server");
+            }
+            let minutes: f64 = minutes.as_deref().unwrap_or("20").parse().map_err(|_| anyhow::anyhow!("--minutes takes a number"))?;
+            let retention = retention.as_deref().map(turnstile_shared::duration::parse).transpose()?.unwrap_or(std::time::Duration::from_secs(120));
+            let png = std::path::PathBuf::from(png.as_deref().unwrap_or("soak.png"));
+            let d = deployment::Deployment::start(false).await?;
+            let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
+            let topology = turnstile_shared::topology::TopologyConfig {
+                record_retention: retention,
+                tree_margin: retention,
+                events_max_age: retention,
+                ..Default::default()
+            };
+            turnstile_shared::topology::provision(&js, &topology).await?;
+            let figures = soak::measure(&d, &topology, minutes, &png).await?;
+            println!("{}", serde_json::to_string_pretty(&figures)?);
+            return Ok(());
+        }
         Some("failover") => {
             turnstile_shared::telemetry::init_with_default("warn");
             return failover_bench(accounts, cluster, num(1, 1000)).await;
         }
         _ => bail!(
-            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench floor [--auth | --replicas 3 [--sync always|default]] [ROUND_TRIPS=2000]\n       turnstile-bench failover [--auth | --replicas 3 [--sync always|default]] [SESSIONS=1000]\n       turnstile-bench schedules [SCHEDULES=1000]\n       turnstile-bench scale [SESSIONS=10000]"
+            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench floor [--auth | --replicas 3 [--sync always|default]] [ROUND_TRIPS=2000]\n       turnstile-bench failover [--auth | --replicas 3 [--sync always|default]] [SESSIONS=1000]\n       turnstile-bench schedules [SCHEDULES=1000]\n       turnstile-bench scale [SESSIONS=10000]\n       turnstile-bench soak [--minutes 20] [--retention 2m] [--png soak.png]"
         ),
     }
     turnstile_shared::telemetry::init_with_default("warn");

@@ -14,15 +14,14 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use crate::deployment::Deployment;
+use crate::inproc::{create_sessions, CREATE_CONCURRENCY};
+use crate::lanes::{queue, records, wait_all};
+use crate::procs::{rss_all, spawn, Services};
+use anyhow::{bail, Result};
 use chrono::Utc;
 use turnstile_shared::records::TurnState;
 use turnstile_shared::SessionId;
-use turnstile_tests::ServiceProcess;
-
-use crate::deployment::{Deployment, HOST};
-use crate::inproc::{create_sessions, CREATE_CONCURRENCY};
-use crate::lanes::{queue, records, wait_all};
 
 /// Busy sessions among the idle ones, and turns queued on each.
 const BUSY: usize = 100;
@@ -33,37 +32,11 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
     let js = async_nats::jetstream::new(client.clone());
     eprintln!("scale: floor, 2000 round trips");
     let floor = crate::floor::measure(d, 2000).await?;
-    let dir = tempfile::tempdir()?;
-    let env = |url: &str| {
-        vec![
-            ("TURNSTILE_NATS_URL".to_string(), url.to_string()),
-            ("RUST_LOG".to_string(), "info".to_string()),
-        ]
-    };
-    let spawn = |bin: &str, args: &[&str], url: &str, log: &str| {
-        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        ServiceProcess::spawn(bin, &args, &env(url), log)
-    };
-    let data = dir.path().to_string_lossy().into_owned();
-    let mut lane_a = spawn("turnstile-session-lane", &["--replica", "a"], &d.lane, "lane-a.log")?;
-    let transport = spawn(
-        "turnstile-transport-agent",
-        &["--host", HOST, "--data-dir", &data],
-        &d.transport,
-        "transport.log",
-    )?;
-    let broker = spawn("turnstile-notification-broker", &[], &d.broker, "broker.log")?;
-    let scheduler = spawn("turnstile-scheduler", &[], &d.admin, "scheduler.log")?;
+    let mut services = Services::start(d)?;
     // One session first: every lazily built structure exists before the baseline.
     let first = create_sessions(&client, 1).await?;
     turnstile_tests::wait_lanes_pulled(&js, &[&first[0]], 1, Duration::from_secs(30)).await?;
-    let mut procs: Vec<(&str, Option<u32>)> = vec![
-        ("nats-server", d.server_pid()),
-        ("session-lane", lane_a.pid()),
-        ("transport-agent", transport.pid()),
-        ("notification-broker", broker.pid()),
-        ("scheduler", scheduler.pid()),
-    ];
+    let procs = services.pids(d);
     let before = rss_all(&procs)?;
 
     eprintln!("scale: creating {sessions} sessions");
@@ -94,16 +67,26 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
     }
 
     eprintln!("scale: {BUSY_TURNS} turns on each of {BUSY} sessions among the idle");
-    let busy: Vec<SessionId> = ids.iter().step_by((sessions / BUSY).max(1)).take(BUSY).cloned().collect();
+    let busy: Vec<SessionId> = ids
+        .iter()
+        .step_by((sessions / BUSY).max(1))
+        .take(BUSY)
+        .cloned()
+        .collect();
     let turns = queue(&js, &busy, BUSY_TURNS).await?;
     wait_all(&js, &turns).await?;
     let handoff = crate::summary(handoffs_per_session(&records(&js, &turns).await?));
 
     eprintln!("scale: fail-over of {} sessions", ids.len());
-    let lane_b = spawn("turnstile-session-lane", &["--replica", "b"], &d.lane, "lane-b.log")?;
+    let lane_b = spawn(
+        "turnstile-session-lane",
+        &["--replica", "b"],
+        &d.lane,
+        "lane-b.log",
+    )?;
     turnstile_tests::wait_lanes_pulled(&js, &all, 2, Duration::from_secs(600)).await?;
     let killed_at = Utc::now();
-    lane_a.kill().await?;
+    services.lane.kill().await?;
     let turns = queue(&js, &ids, 1).await?;
     wait_all(&js, &turns).await?;
     let mut served = Vec::with_capacity(turns.len());
@@ -116,8 +99,7 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
         }
     }
     served.sort_by(f64::total_cmp);
-    procs.truncate(0);
-    drop((lane_b, transport, broker, scheduler));
+    drop((lane_b, services));
     let ratio = |p: &str| {
         let a = handoff[p].as_f64().unwrap_or(f64::NAN);
         let b = floor[p].as_f64().unwrap_or(f64::NAN);
@@ -145,33 +127,17 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
     }))
 }
 
-/// Resident memory (kB, from `/proc/<pid>/status`) of each process.
-fn rss_all<'a>(procs: &[(&'a str, Option<u32>)]) -> Result<Vec<(&'a str, u64)>> {
-    procs
-        .iter()
-        .map(|(name, pid)| {
-            let pid = pid.with_context(|| format!("{name} is not running"))?;
-            Ok((*name, rss_kb(pid)?))
-        })
-        .collect()
-}
-
-pub fn rss_kb(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .with_context(|| format!("no VmRSS for pid {pid}"))
-}
-
 /// Hand-offs within each session (records of several sessions), the first turns skipped.
 fn handoffs_per_session(records: &[turnstile_shared::records::TurnRecord]) -> Vec<f64> {
     let mut by: HashMap<&SessionId, Vec<_>> = HashMap::new();
     for r in records {
-        if let TurnState::Completed { typed_at, ended_at, .. } = &r.state {
-            by.entry(&r.session).or_default().push((*typed_at, *ended_at));
+        if let TurnState::Completed {
+            typed_at, ended_at, ..
+        } = &r.state
+        {
+            by.entry(&r.session)
+                .or_default()
+                .push((*typed_at, *ended_at));
         }
     }
     let mut out = Vec::new();

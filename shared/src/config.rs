@@ -44,6 +44,10 @@ pub struct TopologyArgs {
     /// longer) are kept after their last write (provisioning).
     #[arg(long, env = "TURNSTILE_RECORD_RETENTION", default_value = "30days", value_parser = crate::duration::parse_flag)]
     pub record_retention: Duration,
+    /// How much longer than runs turns and executions are kept (provisioning): a run's tree
+    /// stays whole for its retention if the run lasted less than this.
+    #[arg(long, env = "TURNSTILE_TREE_MARGIN", default_value = "7days", value_parser = crate::duration::parse_flag)]
+    pub tree_margin: Duration,
     /// How long lifecycle events and dead letters are kept (provisioning).
     #[arg(long, env = "TURNSTILE_EVENTS_MAX_AGE", default_value = "7days", value_parser = crate::duration::parse_flag)]
     pub events_max_age: Duration,
@@ -59,6 +63,7 @@ impl TopologyArgs {
             host_ttl: self.host_ttl,
             replicas: usize::from(self.replicas),
             record_retention: self.record_retention,
+            tree_margin: self.tree_margin,
             events_max_age: self.events_max_age,
             ..TopologyConfig::default()
         }

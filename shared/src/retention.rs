@@ -19,6 +19,10 @@ pub const METADATA_KEY: &str = "turnstile.finished_ttl_secs";
 /// Default retention of finished records: long enough for a month of `run show`/`tree`.
 pub const DEFAULT_RECORD_RETENTION: Duration = Duration::from_secs(30 * 24 * 3600);
 
+/// Default extra time turns and executions are kept beyond runs (a run's tree stays whole for
+/// the run's retention if the run lasted less than this).
+pub const DEFAULT_TREE_MARGIN: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// Whether a record is finished: written with its bucket's retention as TTL when it is.
 pub trait Retained {
     fn finished(&self) -> bool;

@@ -29,8 +29,11 @@ pub struct TopologyConfig {
     /// How long lifecycle events (and dead letters) are kept.
     pub events_max_age: Duration,
     /// How long a finished record stays after its last write (`retention`): runs, slots,
-    /// stopped sessions; turns and executions [`TREE_MARGIN`] longer.
+    /// stopped sessions; turns and executions `tree_margin` longer.
     pub record_retention: Duration,
+    /// How much longer than runs the turns and executions are kept: a run's tree stays whole
+    /// for the run's own retention as long as the run lasted less than this.
+    pub tree_margin: Duration,
     /// Copies of every stream and bucket in a JetStream cluster (1 on a single server; 3 to
     /// survive the loss of any one of three servers).
     pub replicas: usize,
@@ -47,6 +50,7 @@ impl Default for TopologyConfig {
             max_consumers: 1_000_000,
             events_max_age: Duration::from_secs(7 * 24 * 3600),
             record_retention: crate::retention::DEFAULT_RECORD_RETENTION,
+            tree_margin: crate::retention::DEFAULT_TREE_MARGIN,
             replicas: 1,
         }
     }
@@ -92,10 +96,6 @@ pub enum TopologyError {
         source: async_nats::Error,
     },
 }
-
-/// How much longer than runs the turns and executions are kept: a run's tree stays whole for
-/// its own retention as long as the run lasted less than this.
-pub const TREE_MARGIN: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// The buckets every service opens.
 #[derive(Clone)]
@@ -191,6 +191,8 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         s.num_replicas = cfg.replicas;
         if s.retention == Limits {
             s.max_age = cfg.events_max_age;
+            // The server refuses a duplicate window longer than the age limit.
+            s.duplicate_window = s.duplicate_window.min(cfg.events_max_age);
         }
     }
     for config in streams {
@@ -217,7 +219,7 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         c
     };
     let record = cfg.record_retention;
-    let tree = record + TREE_MARGIN;
+    let tree = record + cfg.tree_margin;
     for (config, retention) in [
         (
             bucket(subjects::SESSIONS_BUCKET, Duration::ZERO),

@@ -128,7 +128,9 @@ pub(crate) async fn watch_hosts(ctx: Arc<Ctx>, shutdown: CancellationToken) {
                             .unwrap_or_else(Utc::now);
                             ctx.placement.heartbeat(r, at, e.delta == 0);
                         }
-                        Err(err) => tracing::warn!(key = %e.key, error = %err, "unreadable host record"),
+                        Err(err) => {
+                            tracing::warn!(key = %e.key, error = %err, "unreadable host record")
+                        }
                     },
                     Operation::Delete | Operation::Purge => ctx.placement.forget(&e.key),
                 },

@@ -24,8 +24,19 @@ use crate::ctx::Ctx;
 
 async fn live_hosts(ctx: &Ctx) -> Result<Vec<HostRecord>, ApiError> {
     // The hosts bucket's age limit is the host TTL it was provisioned with.
-    let ttl = ctx.buckets.hosts.store().stream.cached_info().config.max_age;
-    let ttl = if ttl.is_zero() { ctx.topology.host_ttl } else { ttl };
+    let ttl = ctx
+        .buckets
+        .hosts
+        .store()
+        .stream
+        .cached_info()
+        .config
+        .max_age;
+    let ttl = if ttl.is_zero() {
+        ctx.topology.host_ttl
+    } else {
+        ttl
+    };
     if let Some(hosts) = ctx.placement.live(ttl) {
         return Ok(hosts);
     }
