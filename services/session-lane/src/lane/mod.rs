@@ -61,20 +61,25 @@ async fn serve(
     cancel: &CancellationToken,
 ) -> Result<(), LaneError> {
     let name = subjects::lane_consumer(&session.id);
-    let consumer = topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    // The setup futures are boxed: awaited inline, the largest of them would size this task's
+    // state for its whole life (about 7 KB per lane, idle or not).
+    let consumer =
+        Box::pin(topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id)).await?;
     // The completion consumer is bound on first need (a delivery or a run collecting): an idle
     // session that never had work finish for it holds one server-side consumer, its lane's.
     rearm_if_pending(ctx, &session.id);
     let expiry = ctx.topology.lane_pull_expiry();
-    let mut messages = consumer
-        .stream()
-        .group(subjects::LANE_GROUP)
-        .max_messages_per_batch(1)
-        .expires(expiry)
-        .heartbeat(expiry / 2)
-        .messages()
-        .await
-        .map_err(|e| LaneError::Pull {
+    let mut messages = Box::pin(
+        consumer
+            .stream()
+            .group(subjects::LANE_GROUP)
+            .max_messages_per_batch(1)
+            .expires(expiry)
+            .heartbeat(expiry / 2)
+            .messages(),
+    )
+    .await
+    .map_err(|e| LaneError::Pull {
             consumer: name.clone(),
             source: e.into(),
         })?;
@@ -143,7 +148,7 @@ async fn serve(
         ctx.hand_back_lane(name);
     } else if pin.is_some() {
         // The session stopped: this replica holds its lane no more.
-        crate::liveness::forget_pin(ctx, &session.id).await;
+        Box::pin(crate::liveness::forget_pin(ctx, &session.id)).await;
     }
     Ok(())
 }
