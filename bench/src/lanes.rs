@@ -107,24 +107,55 @@ impl<'a> Transport<'a> {
     }
 }
 
-/// Publishes `n` turn items per session straight onto the lanes, pipelined.
+/// Queues `n` turns per session the way `session send` does (the turn's record, then its lane
+/// item), both pipelined: the records first, all acknowledged, then the items.
 pub(crate) async fn queue(
     js: &async_nats::jetstream::Context,
     sessions: &[SessionId],
     n: usize,
 ) -> Result<Vec<TurnId>> {
-    let mut acks = Vec::new();
-    let mut turns = Vec::new();
+    let mut items = Vec::new();
+    let mut writes = Vec::new();
     for i in 0..n {
         for s in sessions {
             let turn = TurnId::new();
-            let item = LaneItem::Turn(TurnItem {
-                turn: turn.clone(),
-                text: format!("bench turn {i}"),
-            });
-            let env = item.to_envelope(s)?;
-            acks.push(events::send_to(js, subjects::lane(s), &env, None).await?);
-            turns.push(turn);
+            let text = format!("bench turn {i}");
+            let record = TurnRecord {
+                id: turn.clone(),
+                session: s.clone(),
+                text: text.clone(),
+                queued_at: chrono::Utc::now(),
+                delivery: None,
+                parent: None,
+                state: TurnState::Queued,
+            };
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, "0");
+            let subject = subjects::turn_kv_subject(&turn);
+            let body = serde_json::to_vec(&record)?;
+            writes.push(
+                js.publish_with_headers(subject, headers, body.into())
+                    .await?,
+            );
+            items.push((
+                s.clone(),
+                LaneItem::Turn(TurnItem {
+                    turn: turn.clone(),
+                    text,
+                }),
+            ));
+        }
+    }
+    for w in writes {
+        w.await?;
+    }
+    let mut acks = Vec::new();
+    let mut turns = Vec::new();
+    for (s, item) in items {
+        let env = item.to_envelope(&s)?;
+        acks.push(events::send_to(js, subjects::lane(&s), &env, None).await?);
+        if let LaneItem::Turn(t) = item {
+            turns.push(t.turn);
         }
     }
     for a in acks {

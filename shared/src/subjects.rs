@@ -1,7 +1,7 @@
 //! Every stream, bucket, consumer and subject name in Turnstile. Nothing else spells them, so
 //! the topology in `docs/topology.md` can be checked against one file.
 
-use crate::ids::{ExecutionId, HostName, SessionId, StepId};
+use crate::ids::{ExecutionId, HostName, SessionId, StepId, TurnId};
 
 pub const LANE_STREAM: &str = "TS_LANE";
 pub const TRANSPORT_STREAM: &str = "TS_TRANSPORT";
@@ -245,6 +245,12 @@ pub fn step_cancel(step: &StepId) -> String {
 pub const TURNS_KV_STREAM: &str = "KV_ts_turns";
 pub const TURNS_KV_ALL: &str = "$KV.ts_turns.>";
 pub const BROKER_TURNS_CONSUMER: &str = "broker_turns";
+
+/// The subject a turn's record is written on (a writer pipelining creates, as the benchmark
+/// does).
+pub fn turn_kv_subject(turn: &TurnId) -> String {
+    format!("$KV.{TURNS_BUCKET}.{turn}")
+}
 
 /// The stream behind the runs bucket: the broker mirrors runs and their messages into the
 /// execution tree from it.

@@ -63,8 +63,12 @@ async fn serve(
     let name = subjects::lane_consumer(&session.id);
     // The setup futures are boxed: awaited inline, the largest of them would size this task's
     // state for its whole life (about 7 KB per lane, idle or not).
-    let consumer =
-        Box::pin(topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id)).await?;
+    let consumer = Box::pin(topology::ensure_lane_consumer(
+        &ctx.js,
+        &ctx.topology,
+        &session.id,
+    ))
+    .await?;
     // The completion consumer is bound on first need (a delivery or a run collecting): an idle
     // session that never had work finish for it holds one server-side consumer, its lane's.
     rearm_if_pending(ctx, &session.id);
@@ -80,9 +84,9 @@ async fn serve(
     )
     .await
     .map_err(|e| LaneError::Pull {
-            consumer: name.clone(),
-            source: e.into(),
-        })?;
+        consumer: name.clone(),
+        source: e.into(),
+    })?;
     let item_cancel = cancel.child_token();
     let mut in_flight: Option<(u64, ItemFuture)> = None;
     // The next item can arrive while the current handler finishes its tail (after its ack,
