@@ -107,6 +107,10 @@ impl<'a> Transport<'a> {
     }
 }
 
+/// Acknowledgements awaited at once: async-nats holds at most 5,000 in flight and waits for
+/// room, so publishing more before awaiting any would wait forever.
+const PIPELINE: usize = 1000;
+
 /// Queues `n` turns per session the way `session send` does (the turn's record, then its lane
 /// item), both pipelined: the records first, all acknowledged, then the items.
 pub(crate) async fn queue(
@@ -137,6 +141,11 @@ pub(crate) async fn queue(
                 js.publish_with_headers(subject, headers, body.into())
                     .await?,
             );
+            if writes.len() >= PIPELINE {
+                for w in writes.drain(..) {
+                    w.await?;
+                }
+            }
             items.push((
                 s.clone(),
                 LaneItem::Turn(TurnItem {
@@ -154,6 +163,11 @@ pub(crate) async fn queue(
     for (s, item) in items {
         let env = item.to_envelope(&s)?;
         acks.push(events::send_to(js, subjects::lane(&s), &env, None).await?);
+        if acks.len() >= PIPELINE {
+            for a in acks.drain(..) {
+                a.await?;
+            }
+        }
         if let LaneItem::Turn(t) = item {
             turns.push(t.turn);
         }

@@ -66,6 +66,12 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
         );
     }
 
+    // Printed as they come: a later stage that fails leaves these on record.
+    eprintln!(
+        "scale: {} sessions/s; per idle session, services {services_kb:.1} KB: {}",
+        (sessions as f64 / create_s).round(),
+        serde_json::Value::Object(memory.clone())
+    );
     eprintln!("scale: {BUSY_TURNS} turns on each of {BUSY} sessions among the idle");
     let busy: Vec<SessionId> = ids
         .iter()
@@ -76,6 +82,7 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
     let turns = queue(&js, &busy, BUSY_TURNS).await?;
     wait_all(&js, &turns).await?;
     let handoff = crate::summary(handoffs_per_session(&records(&js, &turns).await?));
+    eprintln!("scale: hand-off {handoff}, floor {floor}");
 
     eprintln!("scale: fail-over of {} sessions", ids.len());
     let lane_b = spawn(

@@ -59,6 +59,8 @@ pub(crate) struct Ctx {
     pub handback: std::sync::Mutex<Handback>,
     /// Sessions whose last delivery failed: their next turn end re-arms a delivery.
     pub left_pending: std::sync::Mutex<std::collections::HashSet<turnstile_shared::SessionId>>,
+    /// Lanes setting up (consumer, pull stream) at once: see `lane::serve`.
+    pub lane_setup: tokio::sync::Semaphore,
     /// Live hosts and sessions per host, for placing new sessions.
     pub placement: crate::placement::Placement,
     /// Each session's completion consumer, bound once (deliveries are on the hot path).

@@ -99,6 +99,9 @@ async fn hand_back(config: &Config, handback: Handback, instance: &str) {
     tracing::info!(lanes = handback.lanes.len(), "lanes handed back");
 }
 
+/// Lanes a replica sets up at once (consumer create and pull stream).
+const LANE_SETUP_CONCURRENCY: usize = 64;
+
 /// Runs the service until `shutdown` is cancelled, then hands its lanes over and returns.
 /// Returns [`Error::Fenced`] at once, handing nothing back, if a survivor took this replica for
 /// dead and took its lanes over.
@@ -131,6 +134,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         completions: Default::default(),
         left_pending: Default::default(),
         placement: Default::default(),
+        lane_setup: tokio::sync::Semaphore::new(LANE_SETUP_CONCURRENCY),
     });
     tokio::spawn(placement::watch_hosts(ctx.clone(), stop.child_token()));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");

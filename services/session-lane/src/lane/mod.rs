@@ -61,6 +61,9 @@ async fn serve(
     cancel: &CancellationToken,
 ) -> Result<(), LaneError> {
     let name = subjects::lane_consumer(&session.id);
+    // A replica starting with thousands of lanes sets them up a bounded number at a time: all
+    // at once, their consumer requests timed out (10,000 lanes) and were retried for minutes.
+    let setup = ctx.lane_setup.acquire().await;
     // The setup futures are boxed: awaited inline, the largest of them would size this task's
     // state for its whole life (about 7 KB per lane, idle or not).
     let consumer = Box::pin(topology::ensure_lane_consumer(
@@ -72,6 +75,10 @@ async fn serve(
     // The completion consumer is bound on first need (a delivery or a run collecting): an idle
     // session that never had work finish for it holds one server-side consumer, its lane's.
     rearm_if_pending(ctx, &session.id);
+    // Each pull request lasts `expiry` and is renewed when it runs out (the pin needs a request
+    // within its TTL). No idle heartbeats: with 10,000 idle lanes they were 2,000 messages a
+    // second to wake on, and a request lost with a connection is renewed anyway (at once on
+    // reconnect, else after its expiry).
     let expiry = ctx.topology.lane_pull_expiry();
     let mut messages = Box::pin(
         consumer
@@ -79,7 +86,6 @@ async fn serve(
             .group(subjects::LANE_GROUP)
             .max_messages_per_batch(1)
             .expires(expiry)
-            .heartbeat(expiry / 2)
             .messages(),
     )
     .await
@@ -87,6 +93,7 @@ async fn serve(
         consumer: name.clone(),
         source: e.into(),
     })?;
+    drop(setup);
     let item_cancel = cancel.child_token();
     let mut in_flight: Option<(u64, ItemFuture)> = None;
     // The next item can arrive while the current handler finishes its tail (after its ack,
