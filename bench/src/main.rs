@@ -77,49 +77,33 @@ async fn main() -> Result<()> {
             return floor_bench(accounts, cluster, num(1, 2000)).await;
         }
         Some("schedules") => {
-            turnstile_shared::telemetry::init_with_default("warn");
-            if cluster.is_some() || accounts {
-                bail!("schedules runs on one open server");
-            }
-            let d = deployment::Deployment::start(false).await?;
-            let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
-            turnstile_shared::topology::provision(&js, &Default::default()).await?;
-            let figures = schedules::measure(&d, num(1, 1000)).await?;
-            println!("{}", serde_json::to_string_pretty(&figures)?);
-            return Ok(());
+            let d = open_server("schedules", accounts || cluster.is_some(), &Default::default()).await?;
+            return print(schedules::measure(&d, num(1, 1000)).await?);
         }
         Some("scale") => {
-            turnstile_shared::telemetry::init_with_default("warn");
-            if cluster.is_some() || accounts {
-                bail!("scale runs on one open server");
-            }
-            let d = deployment::Deployment::start(false).await?;
-            let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
-            turnstile_shared::topology::provision(&js, &Default::default()).await?;
-            let figures = scale::measure(&d, num(1, 10_000)).await?;
-            println!("{}", serde_json::to_string_pretty(&figures)?);
-            return Ok(());
+            let d = open_server("scale", accounts || cluster.is_some(), &Default::default()).await?;
+            return print(scale::measure(&d, num(1, 10_000)).await?);
         }
         Some("soak") => {
-            turnstile_shared::telemetry::init_with_default("warn");
-            if cluster.is_some() || accounts {
-                bail!("soak runs on one open server");
-            }
-            let minutes: f64 = minutes.as_deref().unwrap_or("20").parse().map_err(|_| anyhow::anyhow!("--minutes takes a number"))?;
-            let retention = retention.as_deref().map(turnstile_shared::duration::parse).transpose()?.unwrap_or(std::time::Duration::from_secs(120));
+            let minutes: f64 = minutes
+                .as_deref()
+                .unwrap_or("20")
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--minutes takes a number"))?;
+            let retention = retention
+                .as_deref()
+                .map(turnstile_shared::duration::parse)
+                .transpose()?
+                .unwrap_or(std::time::Duration::from_secs(120));
             let png = std::path::PathBuf::from(png.as_deref().unwrap_or("soak.png"));
-            let d = deployment::Deployment::start(false).await?;
-            let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
             let topology = turnstile_shared::topology::TopologyConfig {
                 record_retention: retention,
                 tree_margin: retention,
                 events_max_age: retention,
                 ..Default::default()
             };
-            turnstile_shared::topology::provision(&js, &topology).await?;
-            let figures = soak::measure(&d, &topology, minutes, &png).await?;
-            println!("{}", serde_json::to_string_pretty(&figures)?);
-            return Ok(());
+            let d = open_server("soak", accounts || cluster.is_some(), &topology).await?;
+            return print(soak::measure(&d, &topology, minutes, &png).await?);
         }
         Some("failover") => {
             turnstile_shared::telemetry::init_with_default("warn");
@@ -197,6 +181,27 @@ async fn failover_bench(
     };
     turnstile_shared::topology::provision(&js, &topology).await?;
     let figures = failover::measure(&d, sessions).await?;
+    println!("{}", serde_json::to_string_pretty(&figures)?);
+    Ok(())
+}
+
+/// One open server, provisioned with `topology`, for the benchmarks measured on nothing else.
+async fn open_server(
+    what: &str,
+    other_setup: bool,
+    topology: &turnstile_shared::topology::TopologyConfig,
+) -> Result<deployment::Deployment> {
+    turnstile_shared::telemetry::init_with_default("warn");
+    if other_setup {
+        bail!("{what} runs on one open server (no --auth or --replicas)");
+    }
+    let d = deployment::Deployment::start(false).await?;
+    let js = async_nats::jetstream::new(deployment::Deployment::connect(&d.admin).await?);
+    turnstile_shared::topology::provision(&js, topology).await?;
+    Ok(d)
+}
+
+fn print(figures: serde_json::Value) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(&figures)?);
     Ok(())
 }

@@ -421,20 +421,7 @@ impl Bucket {
             .map_err(|e| err(e.into()))?;
         while let Some(m) = futures::StreamExt::next(&mut messages).await {
             let m = m.map_err(|e| err(e.into()))?;
-            let live = m
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("KV-Operation"))
-                .is_none_or(|op| op.as_str() == "PUT");
-            let key = m.subject.as_str().strip_prefix(&self.store.prefix);
-            if let (true, Some(key)) = (live, key) {
-                match self.decode(key, &m.payload) {
-                    Ok(v) => entries.push((key.to_string(), v)),
-                    Err(e) => {
-                        tracing::warn!(bucket = %self.name, %key, error = %e, "skipping unreadable record")
-                    }
-                }
-            }
+            entries.extend(self.live_entry(&m));
             if m.info().map(|i| i.pending).unwrap_or(0) == 0 {
                 break;
             }
@@ -500,19 +487,8 @@ impl Bucket {
             if seq > hi {
                 break;
             }
-            let live = m
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("KV-Operation"))
-                .is_none_or(|op| op.as_str() == "PUT");
-            let key = m.subject.as_str().strip_prefix(&self.store.prefix);
-            if let (true, Some(key)) = (live, key) {
-                match self.decode(key, &m.payload) {
-                    Ok(v) => out.push((seq, key.to_string(), v)),
-                    Err(e) => {
-                        tracing::warn!(bucket = %self.name, %key, error = %e, "skipping unreadable record")
-                    }
-                }
+            if let Some((key, v)) = self.live_entry(&m) {
+                out.push((seq, key, v));
             }
             if pending == 0 || seq == hi {
                 break;
@@ -520,6 +496,30 @@ impl Bucket {
         }
         out.reverse();
         Ok((out, next))
+    }
+
+    /// A bucket stream message as a key and its value: `None` for a delete or purge marker and
+    /// for a value this build cannot read (logged).
+    fn live_entry<T: DeserializeOwned>(
+        &self,
+        m: &async_nats::jetstream::Message,
+    ) -> Option<(String, T)> {
+        let live = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("KV-Operation"))
+            .is_none_or(|op| op.as_str() == "PUT");
+        let key = m.subject.as_str().strip_prefix(&self.store.prefix)?;
+        if !live {
+            return None;
+        }
+        match self.decode(key, &m.payload) {
+            Ok(v) => Some((key.to_string(), v)),
+            Err(e) => {
+                tracing::warn!(bucket = %self.name, %key, error = %e, "skipping unreadable record");
+                None
+            }
+        }
     }
 
     /// Every live key's value (skipping unreadable ones, which are logged).
