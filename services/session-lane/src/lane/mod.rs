@@ -61,39 +61,10 @@ async fn serve(
     cancel: &CancellationToken,
 ) -> Result<(), LaneError> {
     let name = subjects::lane_consumer(&session.id);
-    // A replica starting with thousands of lanes sets them up a bounded number at a time: all
-    // at once, their consumer requests timed out (10,000 lanes) and were retried for minutes.
-    let setup = ctx.lane_setup.acquire().await;
-    // The setup futures are boxed: awaited inline, the largest of them would size this task's
-    // state for its whole life (about 7 KB per lane, idle or not).
-    let consumer = Box::pin(topology::ensure_lane_consumer(
-        &ctx.js,
-        &ctx.topology,
-        &session.id,
-    ))
-    .await?;
-    // The completion consumer is bound on first need (a delivery or a run collecting): an idle
-    // session that never had work finish for it holds one server-side consumer, its lane's.
-    rearm_if_pending(ctx, &session.id);
-    // Each pull request lasts `expiry` and is renewed when it runs out (the pin needs a request
-    // within its TTL). No idle heartbeats: with 10,000 idle lanes they were 2,000 messages a
-    // second to wake on, and a request lost with a connection is renewed anyway (at once on
-    // reconnect, else after its expiry).
-    let expiry = ctx.topology.lane_pull_expiry();
-    let mut messages = Box::pin(
-        consumer
-            .stream()
-            .group(subjects::LANE_GROUP)
-            .max_messages_per_batch(1)
-            .expires(expiry)
-            .messages(),
-    )
-    .await
-    .map_err(|e| LaneError::Pull {
-        consumer: name.clone(),
-        source: e.into(),
-    })?;
-    drop(setup);
+    // Opened in a boxed future of its own: the consumer handle (about 2 KB with its info) and
+    // the setup futures never become part of this task's state, which an idle lane keeps for
+    // its whole life (7 KB a lane when they were).
+    let mut messages = Box::pin(open_pull(ctx, session, &name)).await?;
     let item_cancel = cancel.child_token();
     let mut in_flight: Option<(u64, ItemFuture)> = None;
     // The next item can arrive while the current handler finishes its tail (after its ack,
@@ -162,6 +133,37 @@ async fn serve(
         Box::pin(crate::liveness::forget_pin(ctx, &session.id)).await;
     }
     Ok(())
+}
+
+/// Binds the lane's consumer and opens its pull stream. A replica starting with thousands of
+/// lanes sets them up a bounded number at a time: all at once, their consumer requests timed
+/// out (10,000 lanes) and were retried for minutes.
+async fn open_pull(
+    ctx: &Arc<Ctx>,
+    session: &SessionRecord,
+    name: &str,
+) -> Result<async_nats::jetstream::consumer::pull::Stream, LaneError> {
+    let _setup = ctx.lane_setup.acquire().await;
+    let consumer = topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    // The completion consumer is bound on first need (a delivery or a run collecting): an idle
+    // session that never had work finish for it holds one server-side consumer, its lane's.
+    rearm_if_pending(ctx, &session.id);
+    // Each pull request lasts `expiry` and is renewed when it runs out (the pin needs a request
+    // within its TTL). No idle heartbeats: with 10,000 idle lanes they were 2,000 messages a
+    // second to wake on, and a request lost with a connection is renewed anyway (at once on
+    // reconnect, else after its expiry).
+    let expiry = ctx.topology.lane_pull_expiry();
+    consumer
+        .stream()
+        .group(subjects::LANE_GROUP)
+        .max_messages_per_batch(1)
+        .expires(expiry)
+        .messages()
+        .await
+        .map_err(|e| LaneError::Pull {
+            consumer: name.to_string(),
+            source: e.into(),
+        })
 }
 
 /// Records the lane's pin when the server gives this replica a new one (the first item after
