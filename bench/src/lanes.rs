@@ -162,20 +162,45 @@ pub(crate) async fn queue(
     let mut turns = Vec::new();
     for (s, item) in items {
         let env = item.to_envelope(&s)?;
-        acks.push(events::send_to(js, subjects::lane(&s), &env, None).await?);
+        acks.push((events::send_to(js, subjects::lane(&s), &env, None).await?, s, env));
         if acks.len() >= PIPELINE {
-            for a in acks.drain(..) {
-                a.await?;
+            for (a, s, env) in acks.drain(..) {
+                if a.await.is_err() {
+                    resend(js, &s, &env).await?;
+                }
             }
         }
         if let LaneItem::Turn(t) = item {
             turns.push(t.turn);
         }
     }
-    for a in acks {
-        a.await?;
+    for (a, s, env) in acks {
+        if a.await.is_err() {
+            resend(js, &s, &env).await?;
+        }
     }
     Ok(turns)
+}
+
+/// Publishes a lane item whose acknowledgement did not come (a server busy with thousands of
+/// new pull requests, during fail-over): its message id makes a repeat of a stored one a no-op.
+async fn resend(
+    js: &async_nats::jetstream::Context,
+    session: &SessionId,
+    env: &turnstile_shared::envelope::Envelope,
+) -> Result<()> {
+    let mut last = None;
+    for attempt in 1..=5u64 {
+        match events::send_to(js, subjects::lane(session), env, None).await {
+            Ok(ack) => match ack.await {
+                Ok(()) => return Ok(()),
+                Err(e) => last = Some(e),
+            },
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
+    }
+    bail!("publish lane item for {session}: {last:?}")
 }
 
 async fn turn(js: &async_nats::jetstream::Context, t: &TurnId) -> Result<TurnRecord> {
