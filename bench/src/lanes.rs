@@ -162,7 +162,11 @@ pub(crate) async fn queue(
     let mut turns = Vec::new();
     for (s, item) in items {
         let env = item.to_envelope(&s)?;
-        acks.push((events::send_to(js, subjects::lane(&s), &env, None).await?, s, env));
+        acks.push((
+            events::send_to(js, subjects::lane(&s), &env, None).await?,
+            s,
+            env,
+        ));
         if acks.len() >= PIPELINE {
             for (a, s, env) in acks.drain(..) {
                 if a.await.is_err() {
