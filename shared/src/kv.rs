@@ -79,11 +79,6 @@ impl Bucket {
         }
     }
 
-    /// How long a finished record stays after its last write (`None`: kept).
-    pub fn finished_ttl(&self) -> Option<Duration> {
-        self.finished_ttl
-    }
-
     /// Writes `bytes` at `key`: if `expected` is given, only over that revision (0: only if
     /// absent); `Ok(None)` when that lost. A finished record carries the bucket's TTL.
     async fn write(
@@ -389,7 +384,7 @@ impl Bucket {
         filter: &str,
         since: Option<chrono::DateTime<chrono::Utc>>,
     ) -> Result<Vec<(String, T)>, KvError> {
-        use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+        use async_nats::jetstream::consumer::DeliverPolicy;
         let err = |e: async_nats::Error| self.nats("keys", filter, e);
         let deliver_policy = match since {
             None => DeliverPolicy::LastPerSubject,
@@ -400,25 +395,10 @@ impl Bucket {
                 .unwrap_or(time::OffsetDateTime::UNIX_EPOCH),
             },
         };
-        let consumer = self
-            .store
-            .stream
-            .create_consumer(OrderedConfig {
-                filter_subject: format!("{}{filter}", self.store.prefix),
-                deliver_policy,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| err(e.into()))?;
         let mut entries = Vec::new();
-        if consumer.cached_info().num_pending == 0 {
+        let Some(mut messages) = self.ordered(filter, deliver_policy).await? else {
             return Ok(entries);
-        }
-        let mut messages = consumer
-            .clone()
-            .messages()
-            .await
-            .map_err(|e| err(e.into()))?;
+        };
         while let Some(m) = futures::StreamExt::next(&mut messages).await {
             let m = m.map_err(|e| err(e.into()))?;
             entries.extend(self.live_entry(&m));
@@ -440,7 +420,7 @@ impl Bucket {
         before: Option<u64>,
         window: u64,
     ) -> Result<(Vec<(u64, String, T)>, Option<u64>), KvError> {
-        use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+        use async_nats::jetstream::consumer::DeliverPolicy;
         let err = |e: async_nats::Error| self.nats("page", filter, e);
         let info = self
             .store
@@ -461,25 +441,11 @@ impl Bucket {
         }
         let lo = hi.saturating_sub(window.max(1) - 1).max(first);
         let next = (lo > first).then_some(lo);
-        let consumer = self
-            .store
-            .stream
-            .create_consumer(OrderedConfig {
-                filter_subject: format!("{}{filter}", self.store.prefix),
-                deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: lo },
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| err(e.into()))?;
         let mut out = Vec::new();
-        if consumer.cached_info().num_pending == 0 {
+        let start = DeliverPolicy::ByStartSequence { start_sequence: lo };
+        let Some(mut messages) = self.ordered(filter, start).await? else {
             return Ok((out, next));
-        }
-        let mut messages = consumer
-            .clone()
-            .messages()
-            .await
-            .map_err(|e| err(e.into()))?;
+        };
         while let Some(m) = futures::StreamExt::next(&mut messages).await {
             let m = m.map_err(|e| err(e.into()))?;
             let Ok(meta) = m.info() else { break };
@@ -496,6 +462,32 @@ impl Bucket {
         }
         out.reverse();
         Ok((out, next))
+    }
+
+    /// An ordered consumer's messages over the keys matching `filter` from `deliver_policy`;
+    /// `None` when nothing is there to read.
+    async fn ordered(
+        &self,
+        filter: &str,
+        deliver_policy: async_nats::jetstream::consumer::DeliverPolicy,
+    ) -> Result<Option<async_nats::jetstream::consumer::pull::Ordered>, KvError> {
+        use async_nats::jetstream::consumer::pull::OrderedConfig;
+        let err = |e: async_nats::Error| self.nats("read", filter, e);
+        let consumer = self
+            .store
+            .stream
+            .create_consumer(OrderedConfig {
+                filter_subject: format!("{}{filter}", self.store.prefix),
+                deliver_policy,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| err(e.into()))?;
+        if consumer.cached_info().num_pending == 0 {
+            return Ok(None);
+        }
+        let messages = consumer.messages().await.map_err(|e| err(e.into()))?;
+        Ok(Some(messages))
     }
 
     /// A bucket stream message as a key and its value: `None` for a delete or purge marker and

@@ -32,7 +32,7 @@ pub trait Retained {
 macro_rules! never_finished {
     ($($t:ty),*) => { $(impl Retained for $t { fn finished(&self) -> bool { false } })* };
 }
-never_finished!(String, serde_json::Value);
+never_finished!(String);
 
 /// The retention a bucket's stream was provisioned with (`None`: keep finished records).
 pub fn finished_ttl(config: &stream::Config) -> Option<Duration> {

@@ -63,6 +63,23 @@ impl Placement {
             .unwrap_or(0)
     }
 
+    /// The active sessions placed on `host`, in id order.
+    pub fn sessions_on(&self, host: &HostName) -> Vec<SessionId> {
+        let mut out: Vec<SessionId> = self
+            .inner
+            .lock()
+            .map(|i| {
+                i.sessions
+                    .iter()
+                    .filter(|(_, h)| *h == host)
+                    .map(|(s, _)| s.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        out
+    }
+
     /// `session` is active on `host`, or (with `None`) no longer active.
     pub fn session(&self, session: &SessionId, host: Option<&HostName>) {
         let Ok(mut inner) = self.inner.lock() else {

@@ -453,20 +453,11 @@ pub(super) async fn hosts(
 ) -> Result<Vec<turnstile_shared::api::HostView>, ApiError> {
     let mut live = live_hosts(&ctx).await?;
     live.sort_by(|a, b| a.name.cmp(&b.name));
-    let sessions = ctx
-        .buckets
-        .sessions
-        .values::<SessionRecord>()
-        .await
-        .map_err(ApiError::from)?;
+    // The supervisor follows every session: its placement map answers without a store read.
     Ok(live
         .into_iter()
         .map(|h| turnstile_shared::api::HostView {
-            sessions: sessions
-                .iter()
-                .filter(|s| s.is_active() && s.host == h.name)
-                .map(|s| s.id.clone())
-                .collect(),
+            sessions: ctx.placement.sessions_on(&h.name),
             host: h,
         })
         .collect())
