@@ -7,6 +7,7 @@
 use std::time::Duration;
 use turnstile_shared::events::EventKind;
 use turnstile_shared::principal::Principal;
+use turnstile_shared::DeliveryId;
 
 use anyhow::{bail, Context, Result};
 use chrono::Utc;
@@ -118,15 +119,13 @@ pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
         };
         report(&client, item, Report::Completed { result }).await?;
         let step = item.step.to_string();
-        let delivery = wait_turn(&mut watch, |r| {
-            r.delivery
-                .as_ref()
-                .is_some_and(|d| d.completions.iter().any(|c| c.execution.as_str() == step))
-                && !matches!(r.state, TurnState::Queued)
-        })
-        .await
-        .with_context(|| format!("the delivery of {step} (step {} of {n})", i + 1))?;
-        let (mut recorded, mut queued) = (None, None);
+        // The delivery armed for this end names its turn (derived from the delivery id); its
+        // `turn.started` is timed as it arrives, before anything later on the path (the
+        // transport typing it and recording the turn running).
+        let (mut recorded, mut queued, mut turn) = (None, None, None);
+        // Turns seen starting before their delivery's event (events of two publishers may
+        // arrive in either order).
+        let mut early = Vec::new();
         let dispatched = loop {
             let msg = tokio::time::timeout(CALL, started.next())
                 .await
@@ -139,14 +138,43 @@ pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
                 {
                     recorded = Some(env.at)
                 }
-                Ok(EventKind::DeliveryQueued) if env.at >= t0 => queued = Some(env.at),
+                Ok(EventKind::DeliveryQueued) if env.at >= t0 => {
+                    queued = Some(env.at);
+                    turn = env.data["delivery"]
+                        .as_str()
+                        .and_then(|d| d.parse::<DeliveryId>().ok())
+                        .map(|d| d.turn());
+                    if let Some((_, at)) = early.iter().find(|(t, _)| turn.as_ref() == Some(t)) {
+                        break *at;
+                    }
+                }
                 // Received time: envelope times have millisecond precision.
-                Ok(EventKind::TurnStarted) if env.turn.as_ref() == Some(&delivery.id) => {
+                Ok(EventKind::TurnStarted) if turn.is_some() && env.turn == turn => {
                     break Utc::now()
+                }
+                Ok(EventKind::TurnStarted) => {
+                    if let Some(t) = env.turn {
+                        early.push((t, Utc::now()));
+                    }
                 }
                 _ => {}
             }
         };
+        // The turn timed is the one that carried this step's completion.
+        let delivery = wait_turn(&mut watch, |r| {
+            r.delivery
+                .as_ref()
+                .is_some_and(|d| d.completions.iter().any(|c| c.execution.as_str() == step))
+                && !matches!(r.state, TurnState::Queued)
+        })
+        .await
+        .with_context(|| format!("the delivery of {step} (step {} of {n})", i + 1))?;
+        if Some(&delivery.id) != turn.as_ref() {
+            bail!(
+                "step {step} was carried by {} (expected the turn of the delivery armed for it)",
+                delivery.id
+            );
+        }
         if i >= WARMUP {
             let us = |d: chrono::TimeDelta| d.num_microseconds().unwrap_or_default() as f64;
             samples.push(us(dispatched - t0));

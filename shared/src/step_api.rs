@@ -191,6 +191,18 @@ impl StepWorkItem {
 pub struct Ended {
     pub execution: ExecutionId,
     pub status: ExecStatus,
+    /// The record as the reporter read it, and its revision: the broker records the end by
+    /// compare-and-set from it without reading the record again (re-read on a conflict).
+    /// Absent from ends that did not read it (cancellations), and from older publishers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub known: Option<KnownRecord>,
+}
+
+/// An execution record and the revision it was read at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KnownRecord {
+    pub revision: u64,
+    pub record: crate::execution::ExecutionRecord,
 }
 
 impl Ended {
@@ -210,6 +222,7 @@ impl Ended {
                 ended_at: Utc::now(),
                 reason: reason.to_string(),
             },
+            known: None,
         }
     }
 }

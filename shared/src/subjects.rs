@@ -61,13 +61,30 @@ pub const STEP_ALL: &str = "ts.step.>";
 pub const EVENTS_ALL: &str = "ts.events.>";
 pub const DEADLETTER_ALL: &str = "ts.dlq.>";
 
+const LANE_PREFIX: &str = "ts.lane.";
+
 /// A session's lane: its turns and other lane items, in order.
 pub fn lane(session: &SessionId) -> String {
-    format!("ts.lane.{session}")
+    format!("{LANE_PREFIX}{session}")
 }
 
 pub fn lane_consumer(session: &SessionId) -> String {
     format!("lane_{session}")
+}
+
+/// The session a lane subject belongs to (`ts.lane.<session>` gives `<session>`).
+pub fn lane_session(subject: &str) -> Option<&str> {
+    subject
+        .strip_prefix(LANE_PREFIX)
+        .filter(|s| !s.is_empty() && !s.contains('.'))
+}
+
+/// Where a session's lane consumer takes pull requests (JetStream's `CONSUMER.MSG.NEXT`).
+pub fn lane_pull(session: &SessionId) -> String {
+    format!(
+        "$JS.API.CONSUMER.MSG.NEXT.{LANE_STREAM}.{}",
+        lane_consumer(session)
+    )
 }
 
 /// The acknowledgement subject of the item a lane consumer delivered last, as the server

@@ -231,6 +231,7 @@ async fn finish_agent(ctx: &Ctx, run: &RunId) -> Result<(), AgentError> {
             &Ended {
                 execution: exec_id,
                 status,
+                known: None,
             },
         )
         .await?;

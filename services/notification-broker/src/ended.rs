@@ -85,10 +85,17 @@ enum EndError {
 }
 
 async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
+    // From the record the reporter read, when it sent it: one write, no read (a conflict
+    // re-reads).
+    let known = ended
+        .known
+        .as_ref()
+        .filter(|k| k.record.id == ended.execution)
+        .map(|k| (k.record.clone(), k.revision));
     let record = ctx
         .buckets
         .executions
-        .modify::<ExecutionRecord, _>(ended.execution.as_str(), |cur| match cur {
+        .modify_from::<ExecutionRecord, _>(ended.execution.as_str(), known, |cur| match cur {
             Some(r) if !r.status.is_terminal() => Change::Write(ExecutionRecord {
                 status: with_start(&ended.status, r.status.started_at()),
                 ..r.clone()

@@ -27,12 +27,18 @@ pub(crate) enum RegistryError {
 }
 
 pub(crate) async fn get(ctx: &Ctx, id: &ExecutionId) -> Result<Option<ExecutionRecord>, KvError> {
-    Ok(ctx
-        .buckets
+    Ok(get_at(ctx, id).await?.map(|(r, _)| r))
+}
+
+/// The record and the revision it was read at.
+pub(crate) async fn get_at(
+    ctx: &Ctx,
+    id: &ExecutionId,
+) -> Result<Option<(ExecutionRecord, u64)>, KvError> {
+    ctx.buckets
         .executions
         .get::<ExecutionRecord>(id.as_str())
-        .await?
-        .map(|(r, _)| r))
+        .await
 }
 
 /// A turn's execution status; `None` while it only waits (R2: queued items are not running

@@ -14,6 +14,8 @@ pub enum Error {
     Start(#[from] StartError),
     #[error("start API service: {0}")]
     Api(async_nats::Error),
+    #[error("subscribe the lanes' pull replies: {0}")]
+    Pulls(async_nats::SubscribeError),
     #[error(transparent)]
     Fenced(#[from] Fenced),
 }
@@ -61,6 +63,8 @@ pub(crate) struct Ctx {
     pub left_pending: std::sync::Mutex<std::collections::HashSet<turnstile_shared::SessionId>>,
     /// Lanes setting up (consumer, pull stream) at once: see `lane::serve`.
     pub lane_setup: tokio::sync::Semaphore,
+    /// Every lane's pull requests and their replies, on one subscription.
+    pub pulls: std::sync::Arc<crate::lane::PullHub>,
     /// Live hosts and sessions per host, for placing new sessions.
     pub placement: crate::placement::Placement,
     /// Each session's completion consumer, bound once (deliveries are on the hot path).

@@ -115,6 +115,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     // Stops on `shutdown`, or when this replica is fenced.
     let stop = shutdown.child_token();
     let turns = turn_watch::TurnWatch::start(buckets.turns.clone(), stop.child_token());
+    let fenced = CancellationToken::new();
+    let pulls = lane::PullHub::start(
+        client.clone(),
+        js.clone(),
+        fenced.clone(),
+        stop.child_token(),
+    )
+    .await
+    .map_err(Error::Pulls)?;
     let ctx = Arc::new(Ctx {
         client,
         js,
@@ -127,7 +136,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         ),
         replica: config.replica.clone(),
         liveness: config.liveness,
-        fenced: CancellationToken::new(),
+        fenced,
         turns,
         shutdown: stop.clone(),
         handback: Default::default(),
@@ -135,6 +144,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         left_pending: Default::default(),
         placement: Default::default(),
         lane_setup: tokio::sync::Semaphore::new(LANE_SETUP_CONCURRENCY),
+        pulls,
     });
     tokio::spawn(placement::watch_hosts(ctx.clone(), stop.child_token()));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");

@@ -15,7 +15,8 @@ use turnstile_shared::kv::Change;
 use turnstile_shared::principal::Principal;
 use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::step_api::{
-    Ended, ListSteps, Report, ReportAck, StartStep, StepKind, StepReport, StepStatus, StepWorkItem,
+    Ended, KnownRecord, ListSteps, Report, ReportAck, StartStep, StepKind, StepReport, StepStatus,
+    StepWorkItem,
 };
 use turnstile_shared::{subjects, ExecutionId, StepId};
 
@@ -258,12 +259,12 @@ pub(super) async fn report(
         step: Some(req.step.clone()),
         token: req.token.clone(),
     };
-    let record = registry::get(&ctx, &exec_id)
+    let read = registry::get_at(&ctx, &exec_id)
         .await
         .map_err(ApiError::from)?;
-    let authentic = record
+    let authentic = read
         .as_ref()
-        .and_then(|r| r.token.as_deref())
+        .and_then(|(r, _)| r.token.as_deref())
         .is_some_and(|t| same_secret(t, &req.token));
     if !authentic || !principal.admits(&caller) {
         // Let authenticate build and record the refusal with its reason.
@@ -272,7 +273,8 @@ pub(super) async fn report(
             Err(e) => Err(e),
         };
     }
-    let record = record.ok_or_else(|| ApiError::not_found(format!("no step {}", req.step)))?;
+    let (record, revision) =
+        read.ok_or_else(|| ApiError::not_found(format!("no step {}", req.step)))?;
     if record.status.is_terminal() {
         return Ok(ack(&record.status));
     }
@@ -287,6 +289,7 @@ pub(super) async fn report(
                     ended_at: chrono::Utc::now(),
                     result,
                 },
+                known: Some(KnownRecord { revision, record }),
             };
             registry::publish_end(&ctx, &ended)
                 .await
@@ -302,6 +305,7 @@ pub(super) async fn report(
                     reason,
                     result,
                 },
+                known: Some(KnownRecord { revision, record }),
             };
             registry::publish_end(&ctx, &ended)
                 .await
@@ -344,6 +348,7 @@ async fn started(
                     output: Vec::new(),
                 },
             },
+            known: None,
         };
         registry::publish_end(ctx, &ended)
             .await

@@ -65,6 +65,26 @@ pub(crate) async fn collect(
     ctx: &Ctx,
     session: &SessionRecord,
 ) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DeliveryError> {
+    let fetched = fetch(ctx, session).await?;
+    let verdicts = check_all(ctx, &session.id, &fetched).await;
+    Ok(keep_admitted(ctx, &session.id, fetched, verdicts).await)
+}
+
+/// A pending completion pulled for a turn: its message, its stream sequence and what it
+/// says.
+pub(crate) struct Fetched {
+    pub msg: jetstream::Message,
+    pub seq: u64,
+    pub completion: Completion,
+}
+
+/// Pulls up to the cap of pending completions. Those that are not completions for this
+/// session (undecodable, another kind, another session's) are refused here (R8); the rest
+/// still need [`check_all`].
+pub(crate) async fn fetch(
+    ctx: &Ctx,
+    session: &SessionRecord,
+) -> Result<Vec<Fetched>, DeliveryError> {
     let consumer = ctx.completion_consumer(&session.id).await?;
     let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
         session: session.id.clone(),
@@ -76,53 +96,81 @@ pub(crate) async fn collect(
         .messages()
         .await
         .map_err(|e| fetch_err(e.into()))?;
-    let mut fetched_msgs = Vec::new();
+    let mut fetched = Vec::new();
     while let Some(m) = batch.next().await {
-        fetched_msgs.push(m.map_err(&fetch_err)?);
-    }
-    // Checked concurrently: one registry read each (R8).
-    let checks =
-        futures::future::join_all(fetched_msgs.iter().map(|m| check(ctx, &session.id, m))).await;
-    let mut carried = Vec::new();
-    let mut held = Vec::new();
-    for (m, checked) in fetched_msgs.into_iter().zip(checks) {
-        let seq = m.info().map(|i| i.stream_sequence).unwrap_or_default();
-        match checked {
-            Ok(c) => {
-                carried.push((c, seq));
-                held.push(m);
-            }
-            Err(Refusal::Retry(e)) => {
-                let _ = m.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
-                tracing::warn!(session = %session.id, error = %e, "check completion; retried later");
-            }
-            Err(Refusal::Reject(reason)) => reject(ctx, &session.id, &m, &reason).await,
+        let msg = m.map_err(&fetch_err)?;
+        let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+        match decode(&session.id, &msg) {
+            Ok(completion) => fetched.push(Fetched {
+                msg,
+                seq,
+                completion,
+            }),
+            Err(reason) => reject(ctx, &session.id, &msg, &reason).await,
         }
     }
-    Ok((carried, held))
+    Ok(fetched)
 }
 
-enum Refusal {
+/// The registry check of each fetched completion (R8), concurrently: one read each.
+pub(crate) async fn check_all(
+    ctx: &Ctx,
+    session: &SessionId,
+    fetched: &[Fetched],
+) -> Vec<Result<(), Refusal>> {
+    futures::future::join_all(fetched.iter().map(|f| check(ctx, session, &f.completion))).await
+}
+
+/// Keeps what the registry admitted; the rest is retried later or refused (dead-lettered).
+pub(crate) async fn keep_admitted(
+    ctx: &Ctx,
+    session: &SessionId,
+    fetched: Vec<Fetched>,
+    verdicts: Vec<Result<(), Refusal>>,
+) -> (Vec<(Completion, u64)>, Vec<jetstream::Message>) {
+    let mut carried = Vec::new();
+    let mut held = Vec::new();
+    for (f, verdict) in fetched.into_iter().zip(verdicts) {
+        match verdict {
+            Ok(()) => {
+                carried.push((f.completion, f.seq));
+                held.push(f.msg);
+            }
+            Err(Refusal::Retry(e)) => {
+                let _ = f
+                    .msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
+                tracing::warn!(%session, error = %e, "check completion; retried later");
+            }
+            Err(Refusal::Reject(reason)) => reject(ctx, session, &f.msg, &reason).await,
+        }
+    }
+    (carried, held)
+}
+
+/// Why a fetched completion is not carried now.
+pub(crate) enum Refusal {
     Retry(turnstile_shared::kv::KvError),
     Reject(String),
 }
 
-/// A completion is handed over only to its owner or a registered watcher (R8).
-async fn check(
-    ctx: &Ctx,
-    session: &SessionId,
-    m: &jetstream::Message,
-) -> Result<Completion, Refusal> {
-    let env = Envelope::decode(&m.payload).map_err(|e| Refusal::Reject(e.to_string()))?;
+/// A completion message addressed to this session, or why it is not one.
+fn decode(session: &SessionId, m: &jetstream::Message) -> Result<Completion, String> {
+    let env = Envelope::decode(&m.payload).map_err(|e| e.to_string())?;
     env.expect_kind(COMPLETION_KIND)
-        .map_err(|e| Refusal::Reject(e.to_string()))?;
+        .map_err(|e| e.to_string())?;
     if env.session.as_ref() != Some(session) {
-        return Err(Refusal::Reject(format!(
+        return Err(format!(
             "completion names session {:?}, not {session}",
             env.session.map(|s| s.to_string())
-        )));
+        ));
     }
-    let completion: Completion = env.data_as().map_err(|e| Refusal::Reject(e.to_string()))?;
+    env.data_as().map_err(|e| e.to_string())
+}
+
+/// A completion is handed over only to its owner or a registered watcher (R8).
+async fn check(ctx: &Ctx, session: &SessionId, completion: &Completion) -> Result<(), Refusal> {
     let record = ctx
         .buckets
         .executions
@@ -130,7 +178,7 @@ async fn check(
         .await
         .map_err(Refusal::Retry)?;
     match record {
-        Some((r, _)) if r.may_receive(session) => Ok(completion),
+        Some((r, _)) if r.may_receive(session) => Ok(()),
         Some((r, _)) => Err(Refusal::Reject(format!(
             "execution {} belongs to {}; session {session} neither owns nor watches it",
             r.id,

@@ -8,15 +8,17 @@
 //! - `run`: a message sequence driven to completion (`lane.run`, R5).
 
 mod delivery;
+mod pull;
 mod run;
 mod turn;
+
+pub(crate) use pull::PullHub;
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
 use async_nats::jetstream;
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::lane::LaneItem;
 use turnstile_shared::records::SessionRecord;
@@ -31,13 +33,8 @@ type ItemFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 enum LaneError {
     #[error(transparent)]
     Topology(#[from] topology::TopologyError),
-    #[error("open pull stream on {consumer}: {source}")]
-    Pull {
-        consumer: String,
-        source: async_nats::Error,
-    },
-    #[error("pull stream of {0} ended")]
-    Ended(String),
+    #[error(transparent)]
+    Pull(#[from] pull::PullError),
 }
 
 /// Serves the lane until cancelled; errors (NATS restarts, a deleted consumer) are retried.
@@ -61,10 +58,15 @@ async fn serve(
     cancel: &CancellationToken,
 ) -> Result<(), LaneError> {
     let name = subjects::lane_consumer(&session.id);
-    // Opened in a boxed future of its own: the consumer handle (about 2 KB with its info) and
+    // Bound in a boxed future of its own: the consumer handle (about 2 KB with its info) and
     // the setup futures never become part of this task's state, which an idle lane keeps for
     // its whole life (7 KB a lane when they were).
-    let mut messages = Box::pin(open_pull(ctx, session, &name)).await?;
+    Box::pin(bind(ctx, session)).await?;
+    let mut messages = pull::LanePull::new(
+        ctx.pulls.clone(),
+        &session.id,
+        ctx.topology.lane_pull_expiry(),
+    );
     let item_cancel = cancel.child_token();
     let mut in_flight: Option<(u64, ItemFuture)> = None;
     // The next item can arrive while the current handler finishes its tail (after its ack,
@@ -89,7 +91,7 @@ async fn serve(
                 in_flight = None;
             }
             next = messages.next() => match next {
-                Some(Ok(msg)) => {
+                Ok(msg) => {
                     pinned = true;
                     note_pin(ctx, &session.id, &msg, &mut pin);
                     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
@@ -101,10 +103,10 @@ async fn serve(
                         _ => next_item = Some(msg),
                     }
                 }
-                Some(Err(e)) => {
+                Err(e @ pull::PullError::Deleted(_)) => break Some(e.into()),
+                Err(e) => {
                     tracing::debug!(session = %session.id, error = %e, "lane pull");
                 }
-                None => break Some(LaneError::Ended(name.clone())),
             }
         }
     };
@@ -135,35 +137,16 @@ async fn serve(
     Ok(())
 }
 
-/// Binds the lane's consumer and opens its pull stream. A replica starting with thousands of
-/// lanes sets them up a bounded number at a time: all at once, their consumer requests timed
-/// out (10,000 lanes) and were retried for minutes.
-async fn open_pull(
-    ctx: &Arc<Ctx>,
-    session: &SessionRecord,
-    name: &str,
-) -> Result<async_nats::jetstream::consumer::pull::Stream, LaneError> {
+/// Binds the lane's consumer. A replica starting with thousands of lanes sets them up a
+/// bounded number at a time: all at once, their consumer requests timed out (10,000 lanes) and
+/// were retried for minutes.
+async fn bind(ctx: &Arc<Ctx>, session: &SessionRecord) -> Result<(), LaneError> {
     let _setup = ctx.lane_setup.acquire().await;
-    let consumer = topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
+    topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &session.id).await?;
     // The completion consumer is bound on first need (a delivery or a run collecting): an idle
     // session that never had work finish for it holds one server-side consumer, its lane's.
     rearm_if_pending(ctx, &session.id);
-    // Each pull request lasts `expiry` and is renewed when it runs out (the pin needs a request
-    // within its TTL). No idle heartbeats: with 10,000 idle lanes they were 2,000 messages a
-    // second to wake on, and a request lost with a connection is renewed anyway (at once on
-    // reconnect, else after its expiry).
-    let expiry = ctx.topology.lane_pull_expiry();
-    consumer
-        .stream()
-        .group(subjects::LANE_GROUP)
-        .max_messages_per_batch(1)
-        .expires(expiry)
-        .messages()
-        .await
-        .map_err(|e| LaneError::Pull {
-            consumer: name.to_string(),
-            source: e.into(),
-        })
+    Ok(())
 }
 
 /// Records the lane's pin when the server gives this replica a new one (the first item after
