@@ -10,7 +10,7 @@ use turnstile_shared::principal::Principal;
 use turnstile_shared::DeliveryId;
 
 use anyhow::{bail, Context, Result};
-use chrono::Utc;
+use chrono::{SubsecRound, Utc};
 use futures::StreamExt;
 use turnstile_shared::api::{self, SendTurn, SessionRef, SessionView};
 use turnstile_shared::envelope::Envelope;
@@ -138,7 +138,8 @@ pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
                 {
                     recorded = Some(env.at)
                 }
-                Ok(EventKind::DeliveryQueued) if env.at >= t0 => {
+                // Envelope times are whole milliseconds: compared with t0 cut to its millisecond.
+                Ok(EventKind::DeliveryQueued) if env.at >= t0.trunc_subsecs(3) => {
                     queued = Some(env.at);
                     turn = env.data["delivery"]
                         .as_str()

@@ -9,7 +9,7 @@ use chrono::Utc;
 
 use crate::delivery::{DeliveryItem, DeliveryMarker};
 use crate::envelope::{Envelope, EnvelopeError};
-use crate::ids::{DeliveryId, SessionId};
+use crate::ids::{DeliveryId, ExecutionId, SessionId};
 use crate::kv::{Bucket, KvError};
 use crate::lane::{lane_kind, LaneItem};
 use crate::{events, subjects};
@@ -44,7 +44,7 @@ pub async fn arm(
 ) -> Result<Option<DeliveryId>, ArmError> {
     match claim(js, deliveries, session).await? {
         Some((marker, rev)) => {
-            publish_item(js, session, &marker, rev).await?;
+            publish_item(js, session, &marker, rev, None).await?;
             Ok(Some(marker.delivery))
         }
         None => Ok(None),
@@ -77,16 +77,19 @@ pub async fn claim(
     Ok(Some((m, rev)))
 }
 
-/// The second half of [`arm`]: the lane item, de-duplicated by the delivery id.
+/// The second half of [`arm`]: the lane item, de-duplicated by the delivery id. `first` names
+/// the execution whose completion armed it, when there is one.
 pub async fn publish_item(
     js: &jetstream::Context,
     session: &SessionId,
     marker: &DeliveryMarker,
     rev: u64,
+    first: Option<&ExecutionId>,
 ) -> Result<(), ArmError> {
     let item = LaneItem::Delivery(DeliveryItem {
         delivery: marker.delivery.clone(),
         marker_rev: Some(rev),
+        first: first.cloned(),
     });
     let env = item.to_envelope(session)?;
     events::publish_durable(js, subjects::lane(session), &env, None).await?;

@@ -84,6 +84,10 @@ pub struct DeliveryItem {
     /// The revision of the marker that armed it, so the lane clears it in one round trip.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub marker_rev: Option<u64>,
+    /// The execution whose completion armed it: the lane checks that one in the registry (R8)
+    /// while it fetches the pending completions, rather than after.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first: Option<crate::ids::ExecutionId>,
 }
 
 /// Clears the session's marker if it still names `delivery` (the lane does this when the item

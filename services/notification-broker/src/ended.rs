@@ -201,7 +201,14 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Resu
             continue;
         }
         if let Some((marker, rev)) = &claimed {
-            turnstile_shared::arming::publish_item(&ctx.js, &target, marker, *rev).await?;
+            turnstile_shared::arming::publish_item(
+                &ctx.js,
+                &target,
+                marker,
+                *rev,
+                Some(&record.id),
+            )
+            .await?;
         }
         let role = if record.owner.as_ref() == Some(&target) {
             "owner"

@@ -14,7 +14,7 @@ use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::ExecutionRecord;
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::records::{Carried, SessionRecord, TurnRecord, TurnState};
-use turnstile_shared::{deadletter, subjects, topology, SessionId};
+use turnstile_shared::{deadletter, subjects, topology, ExecutionId, SessionId};
 
 use crate::ctx::Ctx;
 
@@ -65,8 +65,38 @@ pub(crate) async fn collect(
     ctx: &Ctx,
     session: &SessionRecord,
 ) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DeliveryError> {
-    let fetched = fetch(ctx, session).await?;
-    let verdicts = check_all(ctx, &session.id, &fetched).await;
+    collect_expecting(ctx, session, None).await
+}
+
+/// Like [`collect`], with the registry check of `expected` (the execution whose completion
+/// armed the delivery) run beside the fetch: the common delivery of one completion then
+/// costs one round trip before its turn is recorded, not two.
+pub(crate) async fn collect_expecting(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    expected: Option<&ExecutionId>,
+) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DeliveryError> {
+    let early = async {
+        match expected {
+            Some(e) => Some((e, check(ctx, &session.id, e).await)),
+            None => None,
+        }
+    };
+    let (fetched, mut early) = tokio::join!(fetch(ctx, session), early);
+    let fetched = fetched?;
+    let verdicts = futures::future::join_all(fetched.iter().map(|f| {
+        let known = match &early {
+            Some((e, _)) if **e == f.completion.execution => early.take().map(|(_, v)| v),
+            _ => None,
+        };
+        async move {
+            match known {
+                Some(v) => v,
+                None => check(ctx, &session.id, &f.completion.execution).await,
+            }
+        }
+    }))
+    .await;
     Ok(keep_admitted(ctx, &session.id, fetched, verdicts).await)
 }
 
@@ -110,15 +140,6 @@ pub(crate) async fn fetch(
         }
     }
     Ok(fetched)
-}
-
-/// The registry check of each fetched completion (R8), concurrently: one read each.
-pub(crate) async fn check_all(
-    ctx: &Ctx,
-    session: &SessionId,
-    fetched: &[Fetched],
-) -> Vec<Result<(), Refusal>> {
-    futures::future::join_all(fetched.iter().map(|f| check(ctx, session, &f.completion))).await
 }
 
 /// Keeps what the registry admitted; the rest is retried later or refused (dead-lettered).
@@ -170,11 +191,11 @@ fn decode(session: &SessionId, m: &jetstream::Message) -> Result<Completion, Str
 }
 
 /// A completion is handed over only to its owner or a registered watcher (R8).
-async fn check(ctx: &Ctx, session: &SessionId, completion: &Completion) -> Result<(), Refusal> {
+async fn check(ctx: &Ctx, session: &SessionId, execution: &ExecutionId) -> Result<(), Refusal> {
     let record = ctx
         .buckets
         .executions
-        .get::<ExecutionRecord>(completion.execution.as_str())
+        .get::<ExecutionRecord>(execution.as_str())
         .await
         .map_err(Refusal::Retry)?;
     match record {
@@ -187,8 +208,7 @@ async fn check(ctx: &Ctx, session: &SessionId, completion: &Completion) -> Resul
                 .map_or("no owner".to_string(), |o| o.to_string())
         ))),
         None => Err(Refusal::Reject(format!(
-            "no execution {} in the registry",
-            completion.execution
+            "no execution {execution} in the registry"
         ))),
     }
 }

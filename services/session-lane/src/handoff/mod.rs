@@ -11,7 +11,7 @@ mod item;
 mod turn;
 
 pub(crate) use completions::{
-    collect, disarm_and_recheck, rearm_if_pending, settle, DeliveryError,
+    collect, collect_expecting, disarm_and_recheck, rearm_if_pending, settle, DeliveryError,
 };
 pub(crate) use item::{reject, release};
 pub(crate) use turn::{dispatch, finish, outcome_event, wait_terminal};

@@ -13,7 +13,8 @@ use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnR
 
 use crate::ctx::Ctx;
 use crate::handoff::{
-    collect, disarm_and_recheck, dispatch, finish, release, settle, wait_terminal, DeliveryError,
+    collect_expecting, disarm_and_recheck, dispatch, finish, release, settle, wait_terminal,
+    DeliveryError,
 };
 
 pub(super) async fn run_delivery(
@@ -40,7 +41,7 @@ pub(super) async fn run_delivery(
     let (record, held) = match existing {
         Some(record) => (record, Vec::new()),
         None => {
-            let (carried, held) = match collect(ctx, session).await {
+            let (carried, held) = match collect_expecting(ctx, session, item.first.as_ref()).await {
                 Ok(c) => c,
                 Err(e) => return retry(e).await,
             };

@@ -136,6 +136,7 @@ async fn hold_deliveries(ctx: &Ctx, session: &SessionId) -> Option<DeliveryItem>
         Ok(Some(rev)) => Some(DeliveryItem {
             delivery: marker.delivery,
             marker_rev: Some(rev),
+            first: None,
         }),
         Ok(None) => None,
         Err(e) => {
