@@ -63,7 +63,7 @@ pub async fn claim(
         delivery: DeliveryId::new(),
         armed_at: Utc::now(),
     };
-    if let Some(rev) = deliveries.create(key, &fresh).await? {
+    if let Some(rev) = deliveries.create_over_removed(key, &fresh).await? {
         return Ok(Some((fresh, rev)));
     }
     let Some((m, rev)) = deliveries.get::<DeliveryMarker>(key).await? else {

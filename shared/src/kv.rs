@@ -228,6 +228,39 @@ impl Bucket {
         written.ok_or_else(|| self.nats("put", key, "a write without a condition was refused"))
     }
 
+    /// Like [`Bucket::create`], for keys that are routinely removed and created again (a
+    /// session's delivery marker): the key's last entry is read beside the first attempt, so
+    /// a key whose last entry is a removal costs two round trips instead of three.
+    pub async fn create_over_removed<T: Serialize + Retained>(
+        &self,
+        key: &str,
+        value: &T,
+    ) -> Result<Option<u64>, KvError> {
+        let bytes = self.encode(key, value)?;
+        let finished = value.finished();
+        let (written, last) = tokio::join!(
+            self.write("create", key, bytes.clone(), Some(0), finished),
+            self.last(key)
+        );
+        if let Some(rev) = written? {
+            return Ok(Some(rev));
+        }
+        match last? {
+            Some(Last::Value(_, _)) => Ok(None),
+            Some(Last::Removed(revision)) => {
+                match self
+                    .write("create", key, bytes, Some(revision), finished)
+                    .await?
+                {
+                    Some(rev) => Ok(Some(rev)),
+                    // Written by someone else in between: decided by the full create.
+                    None => self.create(key, value).await,
+                }
+            }
+            None => self.create(key, value).await,
+        }
+    }
+
     /// Writes only if the key does not exist (or was deleted); `Ok(None)` when it already did.
     ///
     /// A write refused for its expected revision means something is there: the current entry

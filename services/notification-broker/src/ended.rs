@@ -177,7 +177,9 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Resu
                 &env,
                 None
             ),
-            ctx.buckets.deliveries.create(target.as_str(), &fresh),
+            ctx.buckets
+                .deliveries
+                .create_over_removed(target.as_str(), &fresh),
         );
         stored?;
         let active = active?.is_some_and(|(s, _)| s.is_active());

@@ -14,6 +14,7 @@ mod faults;
 mod health;
 mod hosts;
 mod house;
+mod kv;
 mod lanes;
 mod mcp;
 mod provision;

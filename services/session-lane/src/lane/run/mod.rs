@@ -130,7 +130,7 @@ async fn hold_deliveries(ctx: &Ctx, session: &SessionId) -> Option<DeliveryItem>
     match ctx
         .buckets
         .deliveries
-        .create(session.as_str(), &marker)
+        .create_over_removed(session.as_str(), &marker)
         .await
     {
         Ok(Some(rev)) => Some(DeliveryItem {
