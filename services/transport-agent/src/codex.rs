@@ -9,7 +9,9 @@
 //! Unattended: `exec` never asks for approval. The session's policy picks the sandbox
 //! (`read-only` without edits or shell, else `workspace-write`, with network only when the
 //! policy allows it); a command the sandbox refused (`Read-only file system`, `Operation not
-//! permitted`) or an escalation codex rejected fails the turn `permission_denied`. The
+//! permitted`) or an escalation codex rejected fails the turn `permission_denied`. A refused
+//! command is seen in its `command_execution` item or, when codex printed none (a command
+//! that ends the instant it starts), in the thread's rollout file (`codex_rollout`). The
 //! Turnstile MCP server is given with `-c mcp_servers.turnstile.*`: `required` (codex will not
 //! start without it), its tools approved, and the session's credentials passed by name from
 //! this process's environment (`env_vars`), never on the command line. The message goes on
@@ -55,6 +57,8 @@ pub struct CodexAdapter {
     /// Threads learnt this process's lifetime (the transport also records them as the
     /// session's conversation, which is what a restarted transport resumes).
     threads: Mutex<HashMap<SessionId, ConversationId>>,
+    /// Each thread's rollout file, once found (see `codex_rollout`).
+    rollouts: Mutex<HashMap<ConversationId, PathBuf>>,
 }
 
 impl CodexAdapter {
@@ -65,7 +69,54 @@ impl CodexAdapter {
             nats_url,
             turnstile_bin,
             threads: Mutex::default(),
+            rollouts: Mutex::default(),
         }
+    }
+
+    /// The thread's rollout file: remembered, else searched for (off the async threads).
+    async fn rollout(&self, thread: &ConversationId) -> Option<PathBuf> {
+        if let Some(p) = self
+            .rollouts
+            .lock()
+            .ok()
+            .and_then(|m| m.get(thread).cloned())
+        {
+            return Some(p);
+        }
+        let home = crate::codex_rollout::codex_home()?;
+        let t = thread.clone();
+        let found = tokio::task::spawn_blocking(move || crate::codex_rollout::find(&home, &t))
+            .await
+            .ok()
+            .flatten()?;
+        if let Ok(mut m) = self.rollouts.lock() {
+            m.insert(thread.clone(), found.clone());
+        }
+        Some(found)
+    }
+
+    /// Commands the sandbox refused in this turn, as codex's rollout recorded them: those
+    /// written after `from` in the thread's file (all of it for a thread this turn started).
+    async fn rollout_refusals(
+        &self,
+        spec: &SessionSpec,
+        from: Option<(PathBuf, u64)>,
+    ) -> Vec<String> {
+        let Some(thread) = self.thread(spec) else {
+            return Vec::new();
+        };
+        let (path, from) = match from {
+            Some(known) => known,
+            None => match self.rollout(&thread).await {
+                Some(p) => (p, 0),
+                None => return Vec::new(),
+            },
+        };
+        tokio::task::spawn_blocking(move || {
+            crate::codex_rollout::refused(&path, from, &SANDBOX_REFUSALS)
+        })
+        .await
+        .unwrap_or_default()
     }
 
     fn thread(&self, spec: &SessionSpec) -> Option<ConversationId> {
@@ -132,6 +183,17 @@ impl CodexAdapter {
         let cwd = spec.cwd.clone().unwrap_or_else(|| self.data_dir.clone());
         let argv = self.argv(spec, &cwd);
         let shown = format!("{} {}", self.bin.display(), argv.join(" "));
+        // Where this turn's records will start in a resumed thread's rollout.
+        let rollout_from = match self.thread(spec) {
+            Some(t) => match self.rollout(&t).await {
+                Some(p) => {
+                    let len = crate::codex_rollout::length(&p);
+                    Some((p, len))
+                }
+                None => None,
+            },
+            None => None,
+        };
         let mut child = match tokio::process::Command::new(&self.bin)
             .args(&argv)
             .current_dir(&cwd)
@@ -240,6 +302,13 @@ impl CodexAdapter {
                 .filter(|l| l.contains(REJECTED))
                 .map(|l| l.trim().to_string()),
         );
+        if matches!(outcome, Some(Ok(()))) {
+            for r in self.rollout_refusals(spec, rollout_from).await {
+                if !refused.contains(&r) {
+                    refused.push(r);
+                }
+            }
+        }
         match outcome {
             Some(Ok(())) if !refused.is_empty() => TurnEnd::Failed {
                 reason: reason::PERMISSION_DENIED,

@@ -21,6 +21,7 @@
 mod adapter;
 mod claude;
 mod codex;
+mod codex_rollout;
 mod commands;
 mod credentials;
 mod generic;
