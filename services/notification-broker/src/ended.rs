@@ -4,6 +4,7 @@
 //! left on `TS_COMPLETION` and a delivery armed (R3, R7, R8). Only then is it acked, so a
 //! crash at any point redoes the idempotent rest (R14).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,11 +14,11 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::delivery::{self, Completion};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
-use turnstile_shared::execution::{exec_reason, ExecStatus, ExecutionRecord};
-use turnstile_shared::kv::Change;
+use turnstile_shared::execution::{exec_reason, ExecKind, ExecStatus, ExecutionRecord};
+use turnstile_shared::kv::{Change, KvError};
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::{step_kind, Ended};
-use turnstile_shared::{consume, subjects, topology};
+use turnstile_shared::{consume, subjects, topology, SessionId};
 
 use crate::registry::{self, Reach};
 use crate::step_events::step_envelope;
@@ -92,17 +93,46 @@ async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
         .as_ref()
         .filter(|k| k.record.id == ended.execution)
         .map(|k| (k.record.clone(), k.revision));
-    let record = ctx
-        .buckets
-        .executions
-        .modify_from::<ExecutionRecord, _>(ended.execution.as_str(), known, |cur| match cur {
-            Some(r) if !r.status.is_terminal() => Change::Write(ExecutionRecord {
-                status: with_start(&ended.status, r.status.started_at()),
-                ..r.clone()
-            }),
-            _ => Change::Keep,
-        })
-        .await?;
+    // The session reads and marker creates that do not depend on the end's outcome go out
+    // beside its write (the targets as the reporter read them).
+    let early_targets = known
+        .as_ref()
+        .filter(|(r, _)| r.kind == ExecKind::Step && !r.status.is_terminal())
+        .map(|(r, _)| r.targets())
+        .unwrap_or_default();
+    let (record, mut early) = tokio::join!(
+        ctx.buckets.executions.modify_from::<ExecutionRecord, _>(
+            ended.execution.as_str(),
+            known,
+            |cur| match cur {
+                Some(r) if !r.status.is_terminal() => Change::Write(ExecutionRecord {
+                    status: with_start(&ended.status, r.status.started_at()),
+                    ..r.clone()
+                }),
+                _ => Change::Keep,
+            }
+        ),
+        ahead(ctx, early_targets),
+    );
+    let mut unpublished = Vec::new();
+    let result = finish_end(ctx, record, ended, &mut early, &mut unpublished).await;
+    // Markers created (ahead or while routing) whose item never went out, because the end did
+    // not reach their target or failed on the way, get their item now: none waits without.
+    let unused = early
+        .into_iter()
+        .filter_map(|(t, a)| a.created.ok().flatten().map(|rev| (t, a.marker, rev)));
+    release(ctx, unused.chain(unpublished)).await;
+    result
+}
+
+async fn finish_end(
+    ctx: &Ctx,
+    record: Result<Option<ExecutionRecord>, turnstile_shared::kv::KvError>,
+    ended: &Ended,
+    early: &mut HashMap<SessionId, Ahead>,
+    unpublished: &mut Vec<(SessionId, delivery::DeliveryMarker, u64)>,
+) -> Result<(), EndError> {
+    let record = record?;
     let Some(record) = record else {
         tracing::warn!(execution = %ended.execution, "end of an unknown execution; dropped");
         return Ok(());
@@ -126,7 +156,7 @@ async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
     // Events go out now and are confirmed before the end is acked, off the hand-off path.
     let mut acks = vec![send(ctx, &step_envelope(&record, k)?).await?];
     if delivery::routes_completions(&record) {
-        route(ctx, &record, &mut acks).await?;
+        route(ctx, &record, &mut acks, early, unpublished).await?;
     }
     for ack in acks {
         ack.await?;
@@ -157,31 +187,106 @@ fn with_start(status: &ExecStatus, known: Option<chrono::DateTime<chrono::Utc>>)
     s
 }
 
+/// What was done for a target beside the end's write: its session read and a marker create
+/// tried (the round trips that do not depend on the end), so only the completion and the item
+/// remain after it.
+struct Ahead {
+    active: Result<Option<(SessionRecord, u64)>, KvError>,
+    marker: delivery::DeliveryMarker,
+    created: Result<Option<u64>, KvError>,
+}
+
+fn fresh_marker() -> delivery::DeliveryMarker {
+    delivery::DeliveryMarker {
+        delivery: turnstile_shared::DeliveryId::new(),
+        armed_at: chrono::Utc::now(),
+    }
+}
+
+async fn ahead(ctx: &Ctx, targets: Vec<SessionId>) -> HashMap<SessionId, Ahead> {
+    futures::future::join_all(targets.into_iter().map(|t| async move {
+        let marker = fresh_marker();
+        let (active, created) = tokio::join!(
+            ctx.buckets.sessions.get::<SessionRecord>(t.as_str()),
+            ctx.buckets
+                .deliveries
+                .create_over_removed(t.as_str(), &marker),
+        );
+        (
+            t,
+            Ahead {
+                active,
+                marker,
+                created,
+            },
+        )
+    }))
+    .await
+    .into_iter()
+    .collect()
+}
+
+/// Publishes the items of markers that have none yet. Not a removal: another router may have
+/// seen the marker meanwhile and left its completion to this delivery; a delivery that finds
+/// nothing clears the marker and arms again for anything pending.
+async fn release(
+    ctx: &Ctx,
+    unused: impl Iterator<Item = (SessionId, delivery::DeliveryMarker, u64)>,
+) {
+    for (target, marker, rev) in unused {
+        if let Err(e) =
+            turnstile_shared::arming::publish_item(&ctx.js, &target, &marker, rev, None).await
+        {
+            tracing::warn!(session = %target, error = %e, "publish the item of an armed delivery; its marker is checked against the lane once it is older than the trust window");
+        }
+    }
+}
+
 /// One completion per target session (owner, then watchers; R8), then a delivery armed for
 /// each. Both are idempotent, so a redelivered end repeats them harmlessly. The completion is
-/// stored and the marker claimed at once; the lane item goes out only after both, so a
-/// delivery never looks for a completion that is not there yet.
-async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Result<(), EndError> {
+/// stored and the marker claimed at once (or the marker was claimed ahead, beside the end's
+/// write); the lane item goes out only after both, so a delivery never looks for a
+/// completion that is not there yet.
+async fn route(
+    ctx: &Ctx,
+    record: &ExecutionRecord,
+    acks: &mut Vec<Ack>,
+    early: &mut HashMap<SessionId, Ahead>,
+    unpublished: &mut Vec<(SessionId, delivery::DeliveryMarker, u64)>,
+) -> Result<(), EndError> {
     let completion = Completion::of(record);
     for target in record.targets() {
         let env = completion.envelope(&target)?;
-        let fresh = delivery::DeliveryMarker {
-            delivery: turnstile_shared::DeliveryId::new(),
-            armed_at: chrono::Utc::now(),
-        };
-        let (active, stored, created) = tokio::join!(
-            ctx.buckets.sessions.get::<SessionRecord>(target.as_str()),
-            events::publish_durable(
-                &ctx.js,
-                subjects::completion(&target, &record.id),
-                &env,
-                None
-            ),
-            ctx.buckets
-                .deliveries
-                .create_over_removed(target.as_str(), &fresh),
+        let store = events::publish_durable(
+            &ctx.js,
+            subjects::completion(&target, &record.id),
+            &env,
+            None,
         );
-        stored?;
+        let (active, fresh, created) = match early.remove(&target) {
+            Some(a) => {
+                if let Ok(Some(rev)) = &a.created {
+                    unpublished.push((target.clone(), a.marker.clone(), *rev));
+                }
+                store.await?;
+                (a.active, a.marker, a.created)
+            }
+            None => {
+                let fresh = fresh_marker();
+                let (active, stored, created) = tokio::join!(
+                    ctx.buckets.sessions.get::<SessionRecord>(target.as_str()),
+                    store,
+                    ctx.buckets
+                        .deliveries
+                        .create_over_removed(target.as_str(), &fresh),
+                );
+                if let Ok(Some(rev)) = &created {
+                    unpublished.push((target.clone(), fresh.clone(), *rev));
+                }
+                stored?;
+                (active, fresh, created)
+            }
+        };
         let active = active?.is_some_and(|(s, _)| s.is_active());
         let claimed = match created? {
             Some(rev) => Some((fresh, rev)),
@@ -193,6 +298,7 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Resu
         };
         if !active {
             // Kept on TS_COMPLETION for operators; nothing will hand it over.
+            unpublished.retain(|(t, _, _)| *t != target);
             if let Some((m, rev)) = claimed {
                 ctx.buckets
                     .deliveries
@@ -212,6 +318,8 @@ async fn route(ctx: &Ctx, record: &ExecutionRecord, acks: &mut Vec<Ack>) -> Resu
             )
             .await?;
         }
+        // Its item is out: the marker is in use.
+        unpublished.retain(|(t, _, _)| *t != target);
         let role = if record.owner.as_ref() == Some(&target) {
             "owner"
         } else {
