@@ -5,6 +5,7 @@
 //!   connection is open and the server has refused it no permission. A refusal means its
 //!   identity lacks a subject it needs (a deployment error): the service stays not ready, with
 //!   the server's words, until it is restarted on a fixed configuration.
+//! - `/metrics`: the process's Prometheus metrics ([`crate::metrics`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -18,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 /// The `--http` flag every service takes.
 #[derive(Debug, Clone, clap::Args)]
 pub struct HealthArgs {
-    /// Serve `/healthz` and `/readyz` on this address (e.g. `0.0.0.0:8080`).
+    /// Serve `/healthz`, `/readyz` and `/metrics` on this address (e.g. `0.0.0.0:8080`).
     #[arg(long = "http", env = "TURNSTILE_HTTP")]
     pub addr: Option<SocketAddr>,
 }
@@ -111,7 +112,7 @@ pub async fn serve(
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| HealthError { addr, source })?;
-    tracing::info!(%addr, "health endpoints: /healthz, /readyz");
+    tracing::info!(%addr, "health endpoints: /healthz, /readyz, /metrics");
     loop {
         let (stream, _) = tokio::select! {
             biased;
@@ -145,9 +146,19 @@ fn respond<B>(health: &Health, req: &Request<B>) -> Response<Full<Bytes>> {
     let (status, body) = match req.uri().path() {
         "/healthz" => health.healthz(),
         "/readyz" => health.readyz(),
+        "/metrics" => {
+            let mut response =
+                Response::new(Full::new(Bytes::from(crate::metrics::metrics().encode())));
+            if let Ok(v) = hyper::header::HeaderValue::from_str(crate::metrics::CONTENT_TYPE) {
+                response
+                    .headers_mut()
+                    .insert(hyper::header::CONTENT_TYPE, v);
+            }
+            return response;
+        }
         other => (
             StatusCode::NOT_FOUND,
-            format!("no endpoint {other}: try /healthz or /readyz\n"),
+            format!("no endpoint {other}: try /healthz, /readyz or /metrics\n"),
         ),
     };
     let mut response = Response::new(Full::new(Bytes::from(body)));

@@ -38,6 +38,7 @@ pub mod ids;
 pub mod js_codes;
 pub mod kv;
 pub mod lane;
+pub mod metrics;
 pub mod names;
 pub mod page;
 pub mod permissions;

@@ -92,6 +92,10 @@ pub(crate) async fn authenticate(
 
 /// Records the refusal and builds the caller's error. The token itself is never recorded.
 async fn refuse(ctx: &Ctx, caller: &Caller, action: &str, why: &str) -> ApiError {
+    turnstile_shared::metrics::metrics()
+        .auth_refusals
+        .get_or_create(&turnstile_shared::metrics::ApiLabel { api: "steps" })
+        .inc();
     let data = json!({
         "action": action,
         "reason": why,

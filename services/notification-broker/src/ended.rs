@@ -142,6 +142,7 @@ async fn finish_end(
         ExecStatus::Failed { .. } => EventKind::StepFailed,
         _ => EventKind::StepCancelled,
     };
+    observe_step_end(&record);
     if let (ExecStatus::Cancelled { .. }, Some(step)) = (&record.status, record.step_id()) {
         // Tell the worker now (it also learns from its next heartbeat), then what it owns.
         if let Err(e) = ctx
@@ -169,6 +170,29 @@ type Ack =
 
 async fn send(ctx: &Ctx, env: &Envelope) -> Result<Ack, EndError> {
     Ok(Box::pin(events::send(&ctx.js, env).await?))
+}
+
+/// `turnstile_steps_ended`, once per recorded end (a repeated end keeps the record as it was).
+fn observe_step_end(record: &ExecutionRecord) {
+    use turnstile_shared::execution::StepWork;
+    if record.kind != ExecKind::Step {
+        return;
+    }
+    let kind = match &record.work {
+        Some(StepWork::Command { .. }) => "command",
+        Some(StepWork::External { .. }) => "external",
+        Some(_) => "agent",
+        None => "unknown",
+    };
+    let outcome = match &record.status {
+        ExecStatus::Completed { .. } => "completed",
+        ExecStatus::Failed { .. } => "failed",
+        _ => "cancelled",
+    };
+    turnstile_shared::metrics::metrics()
+        .steps_ended
+        .get_or_create(&turnstile_shared::metrics::StepLabels { kind, outcome })
+        .inc();
 }
 
 /// Keeps the start time the record knew (the end message may have been built without it).
@@ -325,6 +349,10 @@ async fn route(
         } else {
             "watcher"
         };
+        turnstile_shared::metrics::metrics()
+            .completions_routed
+            .get_or_create(&turnstile_shared::metrics::RoleLabel { role })
+            .inc();
         let ev = session_event(
             EventKind::CompletionRouted,
             &target,

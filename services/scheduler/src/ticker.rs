@@ -399,6 +399,26 @@ pub(crate) async fn start_run(
 
 /// Creates the slot's record (the claim) and emits `slot.<outcome>`; returns the record that
 /// stands, which is an earlier one if the slot was decided before.
+/// `turnstile_slots` and `turnstile_fire_drift_seconds`, by the claim that decided the slot.
+fn observe_slot(outcome: &SlotOutcome) {
+    use turnstile_shared::metrics::{metrics, SlotLabel};
+    let m = metrics();
+    let count = |outcome| {
+        m.slots.get_or_create(&SlotLabel { outcome }).inc();
+    };
+    match outcome {
+        SlotOutcome::Fired { drift_ms, late, .. } => {
+            count("fired");
+            if *late {
+                count("late");
+            }
+            m.fire_drift.observe((*drift_ms as f64 / 1000.0).max(0.0));
+        }
+        SlotOutcome::Skipped { .. } => count("skipped"),
+        SlotOutcome::Missed { .. } => count("missed"),
+    }
+}
+
 async fn record(
     ctx: &Ctx,
     schedule: &str,
@@ -417,6 +437,7 @@ async fn record(
             return Ok(existing);
         }
     }
+    observe_slot(&rec.outcome);
     let k = rec.outcome.event_kind().as_str();
     let env = Envelope::new(k, &rec)?.with_id(format!("{key}:{k}"));
     events::publish_durable(&ctx.js, subjects::schedule_event(schedule, k), &env, None).await?;

@@ -113,6 +113,9 @@ impl Placement {
     }
 }
 
+/// How often `turnstile_hosts_alive` is brought up to date (a host lapses without an entry).
+const HOSTS_GAUGE_PERIOD: Duration = Duration::from_secs(1);
+
 /// Follows `ts_hosts` into `ctx.placement` until `shutdown`.
 pub(crate) async fn watch_hosts(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     loop {
@@ -128,11 +131,20 @@ pub(crate) async fn watch_hosts(ctx: Arc<Ctx>, shutdown: CancellationToken) {
                 }
             },
         };
+        let mut gauge = tokio::time::interval(HOSTS_GAUGE_PERIOD);
         loop {
             let entry = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return,
                 e = watch.next() => e,
+                _ = gauge.tick() => {
+                    if let Some(live) = ctx.placement.live(ctx.topology.host_ttl) {
+                        turnstile_shared::metrics::metrics()
+                            .hosts_alive
+                            .set(live.len() as i64);
+                    }
+                    continue;
+                }
             };
             match entry {
                 Some(Ok(e)) => match e.operation {

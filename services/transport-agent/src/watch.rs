@@ -50,6 +50,7 @@ async fn report(ctx: &Ctx, tmux: &Tmux, session: &SessionId, name: &str, status:
         Err(_) => Vec::new(),
     };
     tracing::warn!(%session, status = ?status, "agent exited while idle");
+    turnstile_shared::metrics::metrics().terminals_died.inc();
     let data = json!({
         "host": ctx.config.host,
         "terminal": name,

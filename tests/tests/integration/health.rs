@@ -11,7 +11,7 @@ use turnstile_tests::{free_port, wait_until, ServiceProcess};
 use crate::stack::{report, Stack};
 
 /// `GET path` on 127.0.0.1:`port`: the status code and the body.
-async fn get(port: u16, path: &str) -> Result<(u16, String)> {
+pub(crate) async fn get(port: u16, path: &str) -> Result<(u16, String)> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     stream
         .write_all(

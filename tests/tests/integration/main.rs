@@ -17,6 +17,7 @@ mod house;
 mod kv;
 mod lanes;
 mod mcp;
+mod metrics;
 mod provision;
 mod real_cli;
 mod retention;

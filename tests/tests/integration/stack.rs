@@ -29,6 +29,9 @@ pub struct Stack {
     pub transports: HashMap<String, ServiceProcess>,
     pub brokers: HashMap<String, ServiceProcess>,
     pub schedulers: HashMap<String, ServiceProcess>,
+    /// Each service's `--http` port (health and metrics), by its log name (`lane-a`,
+    /// `transport-h1`, `broker-b1`, `scheduler-s1`).
+    pub http: HashMap<String, u16>,
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     overrides: Vec<(String, String)>,
@@ -218,6 +221,7 @@ impl Stack {
             transports: HashMap::new(),
             brokers: HashMap::new(),
             schedulers: HashMap::new(),
+            http: HashMap::new(),
             client,
             js,
             overrides: overrides
@@ -393,11 +397,23 @@ impl Stack {
         .collect()
     }
 
+    /// `args` plus `--http 127.0.0.1:<a free port>`, the port remembered under `name`.
+    fn with_http(&mut self, name: &str, mut args: Vec<String>) -> Result<Vec<String>> {
+        let port = turnstile_tests::free_port()?;
+        self.http.insert(name.to_string(), port);
+        args.extend(["--http".to_string(), format!("127.0.0.1:{port}")]);
+        Ok(args)
+    }
+
     pub fn spawn_lane(&mut self, replica: &str) -> Result<()> {
+        let args = self.with_http(
+            &format!("lane-{replica}"),
+            vec!["--replica".to_string(), replica.to_string()],
+        )?;
         let p = ServiceProcess::spawn_in(
             self.dir.path(),
             "turnstile-session-lane",
-            &["--replica".to_string(), replica.to_string()],
+            &args,
             &self.env_as("session-lane"),
             &format!("lane-{replica}"),
         )?;
@@ -406,10 +422,14 @@ impl Stack {
     }
 
     pub fn spawn_broker(&mut self, replica: &str) -> Result<()> {
+        let args = self.with_http(
+            &format!("broker-{replica}"),
+            vec!["--replica".to_string(), replica.to_string()],
+        )?;
         let p = ServiceProcess::spawn_in(
             self.dir.path(),
             "turnstile-notification-broker",
-            &["--replica".to_string(), replica.to_string()],
+            &args,
             &self.env_as("notification-broker"),
             &format!("broker-{replica}"),
         )?;
@@ -418,10 +438,14 @@ impl Stack {
     }
 
     pub fn spawn_scheduler(&mut self, replica: &str) -> Result<()> {
+        let args = self.with_http(
+            &format!("scheduler-{replica}"),
+            vec!["--replica".to_string(), replica.to_string()],
+        )?;
         let p = ServiceProcess::spawn_in(
             self.dir.path(),
             "turnstile-scheduler",
-            &["--replica".to_string(), replica.to_string()],
+            &args,
             &self.env_as("scheduler"),
             &format!("scheduler-{replica}"),
         )?;
@@ -460,6 +484,7 @@ impl Stack {
                 .to_string_lossy()
                 .into_owned(),
         ];
+        let args = self.with_http(&format!("transport-{host}"), args)?;
         let p = ServiceProcess::spawn_in(
             self.dir.path(),
             "turnstile-transport-agent",

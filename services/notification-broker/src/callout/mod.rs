@@ -136,6 +136,10 @@ async fn answer(
         }
         Err(why) => {
             tracing::warn!(user = %user, host = %req.client_info.host, reason = %why, "agent connection refused");
+            turnstile_shared::metrics::metrics()
+                .auth_refusals
+                .get_or_create(&turnstile_shared::metrics::ApiLabel { api: "callout" })
+                .inc();
             claims::refuse(issuer, &req, &why)
         }
     };

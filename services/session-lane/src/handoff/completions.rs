@@ -242,6 +242,14 @@ pub(crate) async fn settle(
         return;
     };
     let completed = matches!(record.state, TurnState::Completed { .. });
+    let m = turnstile_shared::metrics::metrics();
+    let count = carried.completions.len() as u64;
+    m.delivery_batch.observe(count as f64);
+    if completed {
+        m.completions_handed_over.inc_by(count);
+    } else {
+        m.completions_left_pending.inc_by(count);
+    }
     // A failed hand-over leaves its completions pending (R3); the session's next turn end
     // arms a delivery for them again.
     ctx.mark_left_pending(&session.id, !completed);

@@ -29,6 +29,7 @@ pub(crate) async fn dispatch(
     msg: &jetstream::Message,
     turn: &turnstile_shared::TurnId,
     text: &str,
+    kind: &'static str,
 ) -> Result<(), async_nats::Error> {
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
     let started = session_event(
@@ -59,7 +60,52 @@ pub(crate) async fn dispatch(
     let (e, c) = tokio::join!(event_ack, command_ack);
     e?;
     c?;
+    observe_dispatch(msg, kind);
     Ok(())
+}
+
+/// `turnstile_turns_started`, and for an item's first attempt the time from its storage on
+/// the lane stream to this dispatch (`turnstile_handoff_seconds`).
+fn observe_dispatch(msg: &jetstream::Message, kind: &'static str) {
+    let m = turnstile_shared::metrics::metrics();
+    m.turns_started
+        .get_or_create(&turnstile_shared::metrics::KindLabel { kind })
+        .inc();
+    if let Ok(info) = msg.info() {
+        if info.delivered == 1 {
+            let stored = info.published.unix_timestamp_nanos();
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as i128);
+            m.handoff.observe(((now - stored) as f64 / 1e9).max(0.0));
+        }
+    }
+}
+
+/// `turnstile_turns_ended` and, for a completed turn, its duration.
+fn observe_end(record: &TurnRecord) {
+    use turnstile_shared::metrics::{item_kind, metrics, KindLabel};
+    let m = metrics();
+    let kind = if record.delivery.is_some() {
+        item_kind::DELIVERY
+    } else if record.parent.is_some() {
+        item_kind::RUN
+    } else {
+        item_kind::TURN
+    };
+    match &record.state {
+        TurnState::Completed {
+            typed_at, ended_at, ..
+        } => {
+            m.turn_ended("completed", "none");
+            let secs = (*ended_at - *typed_at).num_milliseconds() as f64 / 1000.0;
+            m.turn_duration
+                .get_or_create(&KindLabel { kind })
+                .observe(secs.max(0.0));
+        }
+        TurnState::Failed { reason, .. } => m.turn_ended("failed", reason),
+        _ => {}
+    }
 }
 
 /// Waits for the transport to record the outcome, keeping the item (and `held`, messages the
@@ -160,6 +206,7 @@ pub(crate) async fn finish(
     msg: &jetstream::Message,
     record: &TurnRecord,
 ) {
+    observe_end(record);
     let event = match outcome_event(record) {
         Ok(ev) => Some(ev),
         Err(e) => {

@@ -16,6 +16,7 @@ use crate::handoff::{
     collect_expecting, disarm_and_recheck, dispatch, finish, release, settle, wait_terminal,
     DeliveryError,
 };
+use turnstile_shared::metrics::item_kind;
 
 pub(super) async fn run_delivery(
     ctx: &Ctx,
@@ -86,7 +87,16 @@ pub(super) async fn run_delivery(
     let record = if record.state.is_terminal() {
         record
     } else {
-        if let Err(e) = dispatch(ctx, session, &msg, &turn_id, &record.text).await {
+        if let Err(e) = dispatch(
+            ctx,
+            session,
+            &msg,
+            &turn_id,
+            &record.text,
+            item_kind::DELIVERY,
+        )
+        .await
+        {
             for h in &held {
                 let _ = h.ack_with(AckKind::Nak(None)).await;
             }

@@ -93,6 +93,11 @@ async fn serve(
             next = messages.next() => match next {
                 Ok(msg) => {
                     pinned = true;
+                    if let Ok(info) = msg.info() {
+                        turnstile_shared::metrics::metrics()
+                            .lane_queue_depth
+                            .observe(info.pending as f64);
+                    }
                     note_pin(ctx, &session.id, &msg, &mut pin);
                     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
                     match &in_flight {

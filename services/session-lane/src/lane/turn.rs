@@ -12,6 +12,7 @@ use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
 
 use crate::ctx::Ctx;
 use crate::handoff::{dispatch, finish, rearm_if_pending, reject, release, wait_terminal};
+use turnstile_shared::metrics::item_kind;
 
 /// Serves one `turn` item to its end (or gives it back when the replica stops).
 pub(super) async fn run_turn(
@@ -44,7 +45,7 @@ pub(super) async fn run_turn(
             return finish(ctx, session, &msg, &record).await;
         }
     }
-    if let Err(e) = dispatch(ctx, session, &msg, &item.turn, &item.text).await {
+    if let Err(e) = dispatch(ctx, session, &msg, &item.turn, &item.text, item_kind::TURN).await {
         tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
         let _ = nak(Some(Duration::from_millis(500))).await;
         return;

@@ -22,6 +22,7 @@ use turnstile_shared::{DeliveryId, ExecutionId, TurnId};
 use super::events::event;
 use crate::ctx::Ctx;
 use crate::handoff::{dispatch, settle, wait_terminal, DeliveryError};
+use turnstile_shared::metrics::item_kind;
 
 /// How long a call to the broker's exec API may take.
 pub(super) const API: std::time::Duration = std::time::Duration::from_secs(5);
@@ -320,9 +321,16 @@ impl Driver<'_> {
         if record.state.is_terminal() {
             return Ok(Some(record));
         }
-        dispatch(self.ctx, self.session, self.msg, turn, &record.text)
-            .await
-            .map_err(DriveError::Dispatch)?;
+        dispatch(
+            self.ctx,
+            self.session,
+            self.msg,
+            turn,
+            &record.text,
+            item_kind::RUN,
+        )
+        .await
+        .map_err(DriveError::Dispatch)?;
         Ok(wait_terminal(
             self.ctx,
             self.msg,
