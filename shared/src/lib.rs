@@ -52,6 +52,7 @@ pub mod runs;
 pub mod schedules;
 pub mod server_config;
 pub mod service;
+pub mod service_info;
 pub mod step_api;
 pub mod subjects;
 pub mod telemetry;

@@ -16,7 +16,6 @@ use turnstile_shared::schedules::{
     valid_name, Backfill, ListSchedules, PauseSchedule, Paused, ScheduleRecord, ScheduleRef,
     ScheduleSpec, ScheduleView, SlotRecord,
 };
-use turnstile_shared::service::serve_endpoint;
 use turnstile_shared::{subjects, RunId};
 
 use crate::cron::CronSpec;
@@ -44,13 +43,17 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     let mut tasks = Vec::new();
     macro_rules! endpoint {
         ($verb:literal, $handler:path) => {{
-            let endpoint = group.endpoint($verb).await.map_err(Error::Api)?;
-            tasks.push(tokio::spawn(serve_endpoint(
-                ctx.clone(),
-                endpoint,
-                shutdown.clone(),
-                $handler,
-            )));
+            tasks.push(
+                turnstile_shared::service_info::add(
+                    &group,
+                    $verb,
+                    ctx.clone(),
+                    shutdown.clone(),
+                    $handler,
+                )
+                .await
+                .map_err(Error::Api)?,
+            );
         }};
     }
     endpoint!("add", add);

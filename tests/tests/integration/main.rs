@@ -10,6 +10,7 @@ mod codex;
 mod delivery;
 mod deployed;
 mod dev;
+mod discovery;
 mod faults;
 mod health;
 mod hosts;

@@ -24,7 +24,7 @@ async fn a_python_mcp_client_starts_a_step_whose_result_reaches_the_agent() -> R
 }
 
 /// The interpreter of the venv holding the pinned `mcp` package; never skipped silently.
-fn python() -> Result<String> {
+pub(crate) fn python() -> Result<String> {
     match std::env::var("TURNSTILE_PYTHON") {
         Ok(p) if !p.is_empty() => Ok(p),
         _ => bail!(

@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use async_nats::service::ServiceExt;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::service::serve_principal_endpoint;
 use turnstile_shared::subjects;
 
 use crate::{Ctx, Error};
@@ -32,18 +31,18 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     // the one its request came on and checks the request's credentials against it.
     macro_rules! endpoint {
         ($group:ident, $verb:expr, $handler:path) => {{
-            let endpoint = $group
-                .endpoint_builder()
-                .name($verb)
-                .add(subjects::api::any_principal($verb))
+            tasks.push(
+                turnstile_shared::service_info::add_principal(
+                    &$group,
+                    $verb,
+                    subjects::api::any_principal($verb),
+                    ctx.clone(),
+                    shutdown.clone(),
+                    $handler,
+                )
                 .await
-                .map_err(Error::Api)?;
-            tasks.push(tokio::spawn(serve_principal_endpoint(
-                ctx.clone(),
-                endpoint,
-                shutdown.clone(),
-                $handler,
-            )));
+                .map_err(Error::Api)?,
+            );
         }};
     }
     use subjects::api::{CANCEL, LIST, REPORT, START, STATUS, TREE};

@@ -24,42 +24,28 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
         .map_err(Error::Api)?;
     let group = service.group(subjects::api::SESSION_GROUP);
     let mut tasks = Vec::new();
+    use turnstile_shared::service_info::add;
     macro_rules! endpoint {
-        ($verb:literal, $handler:path) => {{
-            let endpoint = group.endpoint($verb).await.map_err(Error::Api)?;
-            tasks.push(tokio::spawn(turnstile_shared::service::serve_endpoint(
-                ctx.clone(),
-                endpoint,
-                shutdown.clone(),
-                $handler,
-            )));
+        ($group:ident, $verb:literal, $handler:path) => {{
+            tasks.push(
+                add(&$group, $verb, ctx.clone(), shutdown.clone(), $handler)
+                    .await
+                    .map_err(Error::Api)?,
+            );
         }};
     }
-    endpoint!("create", sessions::create);
-    endpoint!("send", sessions::send);
-    endpoint!("stop", sessions::stop);
-    endpoint!("list", sessions::list);
-    endpoint!("show", sessions::show);
-    endpoint!("hosts", sessions::hosts);
+    endpoint!(group, "create", sessions::create);
+    endpoint!(group, "send", sessions::send);
+    endpoint!(group, "stop", sessions::stop);
+    endpoint!(group, "list", sessions::list);
+    endpoint!(group, "show", sessions::show);
+    endpoint!(group, "hosts", sessions::hosts);
     let runs = service.group(subjects::api::RUNS_GROUP);
-    for (verb, which) in [
-        ("start", 0),
-        ("show", 1),
-        ("list", 2),
-        ("cancel", 3),
-        ("retry", 4),
-    ] {
-        let endpoint = runs.endpoint(verb).await.map_err(Error::Api)?;
-        let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
-        use turnstile_shared::service::serve_endpoint as serve;
-        tasks.push(match which {
-            0 => tokio::spawn(serve(ctx, endpoint, shutdown, runs::start_run)),
-            1 => tokio::spawn(serve(ctx, endpoint, shutdown, runs::show_run)),
-            3 => tokio::spawn(serve(ctx, endpoint, shutdown, runs::cancel_run)),
-            4 => tokio::spawn(serve(ctx, endpoint, shutdown, runs::retry_run)),
-            _ => tokio::spawn(serve(ctx, endpoint, shutdown, runs::list_runs)),
-        });
-    }
+    endpoint!(runs, "start", runs::start_run);
+    endpoint!(runs, "show", runs::show_run);
+    endpoint!(runs, "list", runs::list_runs);
+    endpoint!(runs, "cancel", runs::cancel_run);
+    endpoint!(runs, "retry", runs::retry_run);
     futures::future::join_all(tasks).await;
     let _ = service.stop().await;
     Ok(())
