@@ -11,6 +11,7 @@ mod delivery;
 mod deployed;
 mod dev;
 mod discovery;
+mod examples;
 mod faults;
 mod health;
 mod hosts;
