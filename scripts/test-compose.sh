@@ -425,8 +425,18 @@ case "$long" in
   trn_*) ;;
   *) echo "test-compose: session send printed no turn id: $long" >&2; exit 1 ;;
 esac
-sleep 2
 host_a="$(compose ps -q transport-host-a)"
+# Killed once the agent has the message (a lane still pinned to a replica fenced by the
+# partition stage takes up to the pin TTL to pass it on; a fixed pause raced that).
+deadline=$((SECONDS + 60))
+until docker exec "$host_a" sh -c 'cat /var/lib/turnstile/mock-agent/*.jsonl 2>/dev/null' \
+        | grep -q hostkill-long; do
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "test-compose: the turn to kill the host under was not typed within 60 s" >&2
+    exit 1
+  fi
+  sleep 0.5
+done
 docker kill "$host_a" >/dev/null
 echo "test-compose: killed transport-host-a during a turn"
 if ! "$bin/turnstile" session send "$other" '!reply host-b untouched' --wait --timeout 60s \
