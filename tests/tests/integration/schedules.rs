@@ -376,3 +376,116 @@ async fn cancel_other(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// A slot whose record was written before the scheduler reached it, as anything but a fire
+/// (here `skipped`), stays so and never becomes the schedule's last run: with overlap `skip`,
+/// a last run that never started would read as still running and skip every later slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_decided_otherwise_never_blocks_the_next_fire() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = decided_otherwise(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn decided_otherwise(stack: &mut Stack) -> Result<()> {
+    use chrono::{DurationRound, TimeDelta, Utc};
+    use turnstile_shared::schedules::{slot_key, SlotRecord};
+    let s = stack.create_session("pre-decided", None).await?;
+    let name = "pre-decided";
+    let mut spec = schedule(name, "*/2 * * * * *", &s, &["tick"]);
+    spec.overlap = Overlap::Skip;
+    stack.add_schedule(&spec).await?;
+    // Two slots at least 4 s ahead (slots are due only once their time has come), decided
+    // `skipped` before the scheduler gets to them.
+    let two = TimeDelta::seconds(2);
+    let first = (Utc::now() + TimeDelta::seconds(4)).duration_trunc(two)? + two;
+    let slots_kv = stack
+        .js
+        .get_key_value(turnstile_shared::subjects::SLOTS_BUCKET)
+        .await?;
+    for slot in [first, first + two] {
+        let rec = SlotRecord {
+            schedule: name.to_string(),
+            slot,
+            recorded_at: Utc::now(),
+            outcome: SlotOutcome::Skipped {
+                reason: "decided_elsewhere".into(),
+                yielded_to: None,
+            },
+        };
+        slots_kv
+            .create(slot_key(name, slot), serde_json::to_vec(&rec)?.into())
+            .await
+            .with_context(|| format!("pre-decide slot {slot}"))?;
+    }
+    // The slots after them fire and their runs complete.
+    let after = wait_fired_after(stack, name, first + two).await?;
+    let done = stack.wait_run(&after, Duration::from_secs(60)).await?;
+    ensure!(
+        matches!(done.state, RunState::Completed { .. }),
+        "the run after the decided slots: {:?}",
+        done.state
+    );
+    let slots = stack.slots(name).await?;
+    for slot in [first, first + two] {
+        let rec = slots
+            .iter()
+            .find(|r| r.slot == slot)
+            .context("a decided slot's record is gone")?;
+        ensure!(
+            matches!(&rec.outcome, SlotOutcome::Skipped { reason, .. } if reason == "decided_elsewhere"),
+            "the decided slot was overwritten: {rec:?}"
+        );
+    }
+    // Later slots may yield to a real run still going; never to one of the decided slots'.
+    let never_started = [
+        turnstile_shared::schedules::slot_run(name, first),
+        turnstile_shared::schedules::slot_run(name, first + two),
+    ];
+    let overlapped: Vec<_> = slots
+        .iter()
+        .filter(|r| {
+            matches!(&r.outcome, SlotOutcome::Skipped { yielded_to: Some(run), .. }
+                if never_started.contains(&Some(run.clone())))
+        })
+        .collect();
+    ensure!(
+        overlapped.is_empty(),
+        "later slots yielded to a run that never started: {overlapped:?}"
+    );
+    // And those runs were never started.
+    let runs_kv = stack
+        .js
+        .get_key_value(turnstile_shared::subjects::RUNS_BUCKET)
+        .await?;
+    for run in never_started.iter().flatten() {
+        ensure!(
+            runs_kv.get(run.as_str()).await?.is_none(),
+            "the run of a slot decided `skipped` was started: {run}"
+        );
+    }
+    Ok(())
+}
+
+/// The run of the first slot after `after` that fired.
+async fn wait_fired_after(
+    stack: &Stack,
+    name: &str,
+    after: chrono::DateTime<chrono::Utc>,
+) -> Result<turnstile_shared::RunId> {
+    turnstile_tests::wait_until(
+        "a slot after the decided ones to fire",
+        Duration::from_secs(30),
+        || async {
+            Ok(stack
+                .slots(name)
+                .await?
+                .into_iter()
+                .find_map(|r| match r.outcome {
+                    SlotOutcome::Fired { run, .. } if r.slot > after => Some(run),
+                    _ => None,
+                }))
+        },
+    )
+    .await
+}
