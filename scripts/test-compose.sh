@@ -132,6 +132,35 @@ until cli run list --schedule compose-every-5s --json | grep -q '"completed"'; d
 done
 echo "test-compose: a scheduled run of the mock agent completed"
 
+stage="every service's metrics"
+# /metrics on the same :8080 as the healthchecks (docs/operate.md): after the scheduled run,
+# the scheduler has fired slots and some session-lane replica has started turns.
+metrics_of() {
+  local c
+  for c in $(compose ps -q "$1"); do
+    docker exec "$c" bash -c 'exec 3<>/dev/tcp/127.0.0.1/8080 &&
+      printf "GET /metrics HTTP/1.0\r\n\r\n" >&3 && timeout 5 cat <&3'
+  done
+}
+for svc in session-lane notification-broker scheduler transport-host-a; do
+  exposed="$(metrics_of "$svc" || true)"
+  if ! grep -q '^# EOF' <<<"$exposed"; then
+    echo "test-compose: $svc serves no metrics on :8080/metrics" >&2
+    exit 1
+  fi
+  case "$svc" in
+    scheduler) want='^turnstile_slots_total\{outcome="fired"\} [1-9]' ;;
+    session-lane) want='^turnstile_turns_started_total\{kind="run"\} [1-9]' ;;
+    *) want='^# EOF' ;;
+  esac
+  if ! grep -Eq "$want" <<<"$exposed"; then
+    echo "test-compose: $svc's metrics lack $want" >&2
+    printf '%s\n' "$exposed" >&2
+    exit 1
+  fi
+done
+echo "test-compose: every service serves its metrics; slots fired and run turns started are counted"
+
 stage="a transport agent outside compose"
 # A host outside compose joins through the published port, started the way the shipped systemd
 # unit starts it: its ExecStart with an environment file holding its own host's credentials.

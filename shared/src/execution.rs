@@ -74,6 +74,17 @@ pub enum StepWork {
     Agent { prompt: String, host: HostName },
 }
 
+impl StepWork {
+    /// The kind's name, as metrics and logs label it: `command`, `external` or `agent`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Command { .. } => "command",
+            Self::External { .. } => "external",
+            Self::Agent { .. } => "agent",
+        }
+    }
+}
+
 /// What a finished step produced: exit status (commands) and the tail of its output.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepResult {

@@ -228,39 +228,6 @@ impl Bucket {
         written.ok_or_else(|| self.nats("put", key, "a write without a condition was refused"))
     }
 
-    /// Like [`Bucket::create`], for keys that are routinely removed and created again (a
-    /// session's delivery marker): the key's last entry is read beside the first attempt, so
-    /// a key whose last entry is a removal costs two round trips instead of three.
-    pub async fn create_over_removed<T: Serialize + Retained>(
-        &self,
-        key: &str,
-        value: &T,
-    ) -> Result<Option<u64>, KvError> {
-        let bytes = self.encode(key, value)?;
-        let finished = value.finished();
-        let (written, last) = tokio::join!(
-            self.write("create", key, bytes.clone(), Some(0), finished),
-            self.last(key)
-        );
-        if let Some(rev) = written? {
-            return Ok(Some(rev));
-        }
-        match last? {
-            Some(Last::Value(_, _)) => Ok(None),
-            Some(Last::Removed(revision)) => {
-                match self
-                    .write("create", key, bytes, Some(revision), finished)
-                    .await?
-                {
-                    Some(rev) => Ok(Some(rev)),
-                    // Written by someone else in between: decided by the full create.
-                    None => self.create(key, value).await,
-                }
-            }
-            None => self.create(key, value).await,
-        }
-    }
-
     /// Writes only if the key does not exist (or was deleted); `Ok(None)` when it already did.
     ///
     /// A write refused for its expected revision means something is there: the current entry
@@ -272,18 +239,47 @@ impl Bucket {
         key: &str,
         value: &T,
     ) -> Result<Option<u64>, KvError> {
+        self.create_reading(key, value, false).await
+    }
+
+    /// Like [`Bucket::create`], for keys that are routinely removed and created again (a
+    /// session's delivery marker): the key's last entry is read beside the first attempt, so
+    /// a key whose last entry is a removal costs two round trips instead of three. A read that
+    /// saw a value just removed answers `None`, as a create that lost would: callers re-decide.
+    pub async fn create_over_removed<T: Serialize + Retained>(
+        &self,
+        key: &str,
+        value: &T,
+    ) -> Result<Option<u64>, KvError> {
+        self.create_reading(key, value, true).await
+    }
+
+    async fn create_reading<T: Serialize + Retained>(
+        &self,
+        key: &str,
+        value: &T,
+        read_beside_first: bool,
+    ) -> Result<Option<u64>, KvError> {
         const ATTEMPTS: u32 = 5;
         let bytes = self.encode(key, value)?;
         let finished = value.finished();
         let mut expected = 0;
         for attempt in 1..=ATTEMPTS {
-            let written = self
-                .write("create", key, bytes.clone(), Some(expected), finished)
-                .await?;
-            if let Some(rev) = written {
+            let write = self.write("create", key, bytes.clone(), Some(expected), finished);
+            let (written, read) = if read_beside_first && attempt == 1 {
+                let (w, r) = tokio::join!(write, self.last(key));
+                (w, Some(r))
+            } else {
+                (write.await, None)
+            };
+            if let Some(rev) = written? {
                 return Ok(Some(rev));
             }
-            match self.last(key).await? {
+            let last = match read {
+                Some(r) => r?,
+                None => self.last(key).await?,
+            };
+            match last {
                 Some(Last::Value(_, _)) => return Ok(None),
                 Some(Last::Removed(revision)) => expected = revision,
                 // Absent again: purged meanwhile (or, on a bucket read by direct get, a

@@ -74,12 +74,7 @@ where
     F: Fn(Arc<C>, Req) -> Fut + Copy + Send + Sync + 'static,
     Fut: Future<Output = Result<Resp, ApiError>> + Send + 'static,
 {
-    let endpoint = group
-        .endpoint_builder()
-        .name(verb)
-        .metadata(metadata::<Req, Resp>(false))
-        .add(verb)
-        .await?;
+    let endpoint = endpoint::<Req, Resp>(group, verb, verb.to_string(), false).await?;
     Ok(tokio::spawn(crate::service::serve_endpoint(
         ctx, endpoint, shutdown, handler,
     )))
@@ -101,15 +96,25 @@ where
     F: Fn(Arc<C>, Principal, Req) -> Fut + Copy + Send + Sync + 'static,
     Fut: Future<Output = Result<Resp, ApiError>> + Send + 'static,
 {
-    let endpoint = group
-        .endpoint_builder()
-        .name(verb)
-        .metadata(metadata::<Req, Resp>(true))
-        .add(subject)
-        .await?;
+    let endpoint = endpoint::<Req, Resp>(group, verb, subject, true).await?;
     Ok(tokio::spawn(crate::service::serve_principal_endpoint(
         ctx, endpoint, shutdown, handler,
     )))
+}
+
+/// The endpoint `verb` on `subject` (relative to the group), with its metadata.
+async fn endpoint<Req, Resp>(
+    group: &Group,
+    verb: &str,
+    subject: String,
+    principal: bool,
+) -> Result<async_nats::service::endpoint::Endpoint, async_nats::Error> {
+    group
+        .endpoint_builder()
+        .name(verb)
+        .metadata(metadata::<Req, Resp>(principal))
+        .add(subject)
+        .await
 }
 
 #[cfg(test)]

@@ -114,23 +114,30 @@ async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
         ),
         ahead(ctx, early_targets),
     );
-    let mut unpublished = Vec::new();
-    let result = finish_end(ctx, record, ended, &mut early, &mut unpublished).await;
-    // Markers created (ahead or while routing) whose item never went out, because the end did
-    // not reach their target or failed on the way, get their item now: none waits without.
-    let unused = early
-        .into_iter()
-        .filter_map(|(t, a)| a.created.ok().flatten().map(|rev| (t, a.marker, rev)));
-    release(ctx, unused.chain(unpublished)).await;
+    // Every marker this end creates owes its item until routing publishes it; whatever is
+    // still owed at the end (the end did not reach that target, or failed on the way) gets
+    // its item then: no marker waits without one.
+    let mut owed: Vec<Owed> = early
+        .iter()
+        .filter_map(|(t, a)| match &a.created {
+            Ok(Some(rev)) => Some((t.clone(), a.marker.clone(), *rev)),
+            _ => None,
+        })
+        .collect();
+    let result = finish_end(ctx, record, ended, &mut early, &mut owed).await;
+    release(ctx, owed).await;
     result
 }
+
+/// A delivery marker this end created, whose item is not out yet.
+type Owed = (SessionId, delivery::DeliveryMarker, u64);
 
 async fn finish_end(
     ctx: &Ctx,
     record: Result<Option<ExecutionRecord>, turnstile_shared::kv::KvError>,
     ended: &Ended,
     early: &mut HashMap<SessionId, Ahead>,
-    unpublished: &mut Vec<(SessionId, delivery::DeliveryMarker, u64)>,
+    owed: &mut Vec<Owed>,
 ) -> Result<(), EndError> {
     let record = record?;
     let Some(record) = record else {
@@ -157,7 +164,7 @@ async fn finish_end(
     // Events go out now and are confirmed before the end is acked, off the hand-off path.
     let mut acks = vec![send(ctx, &step_envelope(&record, k)?).await?];
     if delivery::routes_completions(&record) {
-        route(ctx, &record, &mut acks, early, unpublished).await?;
+        route(ctx, &record, &mut acks, early, owed).await?;
     }
     for ack in acks {
         ack.await?;
@@ -174,16 +181,10 @@ async fn send(ctx: &Ctx, env: &Envelope) -> Result<Ack, EndError> {
 
 /// `turnstile_steps_ended`, once per recorded end (a repeated end keeps the record as it was).
 fn observe_step_end(record: &ExecutionRecord) {
-    use turnstile_shared::execution::StepWork;
     if record.kind != ExecKind::Step {
         return;
     }
-    let kind = match &record.work {
-        Some(StepWork::Command { .. }) => "command",
-        Some(StepWork::External { .. }) => "external",
-        Some(_) => "agent",
-        None => "unknown",
-    };
+    let kind = record.work.as_ref().map_or("unknown", |w| w.kind());
     let outcome = match &record.status {
         ExecStatus::Completed { .. } => "completed",
         ExecStatus::Failed { .. } => "failed",
@@ -253,11 +254,8 @@ async fn ahead(ctx: &Ctx, targets: Vec<SessionId>) -> HashMap<SessionId, Ahead> 
 /// Publishes the items of markers that have none yet. Not a removal: another router may have
 /// seen the marker meanwhile and left its completion to this delivery; a delivery that finds
 /// nothing clears the marker and arms again for anything pending.
-async fn release(
-    ctx: &Ctx,
-    unused: impl Iterator<Item = (SessionId, delivery::DeliveryMarker, u64)>,
-) {
-    for (target, marker, rev) in unused {
+async fn release(ctx: &Ctx, owed: Vec<Owed>) {
+    for (target, marker, rev) in owed {
         if let Err(e) =
             turnstile_shared::arming::publish_item(&ctx.js, &target, &marker, rev, None).await
         {
@@ -276,7 +274,7 @@ async fn route(
     record: &ExecutionRecord,
     acks: &mut Vec<Ack>,
     early: &mut HashMap<SessionId, Ahead>,
-    unpublished: &mut Vec<(SessionId, delivery::DeliveryMarker, u64)>,
+    owed: &mut Vec<Owed>,
 ) -> Result<(), EndError> {
     let completion = Completion::of(record);
     for target in record.targets() {
@@ -289,9 +287,6 @@ async fn route(
         );
         let (active, fresh, created) = match early.remove(&target) {
             Some(a) => {
-                if let Ok(Some(rev)) = &a.created {
-                    unpublished.push((target.clone(), a.marker.clone(), *rev));
-                }
                 store.await?;
                 (a.active, a.marker, a.created)
             }
@@ -305,7 +300,7 @@ async fn route(
                         .create_over_removed(target.as_str(), &fresh),
                 );
                 if let Ok(Some(rev)) = &created {
-                    unpublished.push((target.clone(), fresh.clone(), *rev));
+                    owed.push((target.clone(), fresh.clone(), *rev));
                 }
                 stored?;
                 (active, fresh, created)
@@ -322,7 +317,7 @@ async fn route(
         };
         if !active {
             // Kept on TS_COMPLETION for operators; nothing will hand it over.
-            unpublished.retain(|(t, _, _)| *t != target);
+            owed.retain(|(t, _, _)| *t != target);
             if let Some((m, rev)) = claimed {
                 ctx.buckets
                     .deliveries
@@ -343,7 +338,7 @@ async fn route(
             .await?;
         }
         // Its item is out: the marker is in use.
-        unpublished.retain(|(t, _, _)| *t != target);
+        owed.retain(|(t, _, _)| *t != target);
         let role = if record.owner.as_ref() == Some(&target) {
             "owner"
         } else {

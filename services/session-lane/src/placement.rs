@@ -39,20 +39,31 @@ struct Inner {
 impl Placement {
     /// The live hosts, or `None` until the watch has caught up (the caller reads the bucket).
     pub fn live(&self, ttl: Duration) -> Option<Vec<HostRecord>> {
+        self.with_live(ttl, |hosts| hosts.cloned().collect())
+    }
+
+    /// How many hosts are live, or `None` until the watch has caught up.
+    pub fn live_count(&self, ttl: Duration) -> Option<usize> {
+        self.with_live(ttl, |hosts| hosts.count())
+    }
+
+    fn with_live<R>(
+        &self,
+        ttl: Duration,
+        f: impl FnOnce(&mut dyn Iterator<Item = &HostRecord>) -> R,
+    ) -> Option<R> {
         let inner = self.inner.lock().ok()?;
         if !inner.ready {
             return None;
         }
         let ttl = chrono::TimeDelta::from_std(ttl).unwrap_or(chrono::TimeDelta::MAX);
         let now = Utc::now();
-        Some(
-            inner
-                .hosts
-                .values()
-                .filter(|(_, at)| now - *at < ttl)
-                .map(|(r, _)| r.clone())
-                .collect(),
-        )
+        let mut live = inner
+            .hosts
+            .values()
+            .filter(|(_, at)| now - *at < ttl)
+            .map(|(r, _)| r);
+        Some(f(&mut live))
     }
 
     /// Active sessions placed on `host`.
@@ -138,10 +149,8 @@ pub(crate) async fn watch_hosts(ctx: Arc<Ctx>, shutdown: CancellationToken) {
                 _ = shutdown.cancelled() => return,
                 e = watch.next() => e,
                 _ = gauge.tick() => {
-                    if let Some(live) = ctx.placement.live(ctx.topology.host_ttl) {
-                        turnstile_shared::metrics::metrics()
-                            .hosts_alive
-                            .set(live.len() as i64);
+                    if let Some(n) = ctx.placement.live_count(ctx.topology.host_ttl) {
+                        turnstile_shared::metrics::metrics().hosts_alive.set(n as i64);
                     }
                     continue;
                 }

@@ -95,28 +95,18 @@ impl CodexAdapter {
         Some(found)
     }
 
-    /// Commands the sandbox refused in this turn, as codex's rollout recorded them: those
-    /// written after `from` in the thread's file (all of it for a thread this turn started).
-    async fn rollout_refusals(
-        &self,
-        spec: &SessionSpec,
-        from: Option<(PathBuf, u64)>,
-    ) -> Vec<String> {
+    /// Commands the sandbox refused in the turn just ended, as the thread's rollout recorded
+    /// them.
+    async fn rollout_refusals(&self, spec: &SessionSpec) -> Vec<String> {
         let Some(thread) = self.thread(spec) else {
             return Vec::new();
         };
-        let (path, from) = match from {
-            Some(known) => known,
-            None => match self.rollout(&thread).await {
-                Some(p) => (p, 0),
-                None => return Vec::new(),
-            },
+        let Some(path) = self.rollout(&thread).await else {
+            return Vec::new();
         };
-        tokio::task::spawn_blocking(move || {
-            crate::codex_rollout::refused(&path, from, &SANDBOX_REFUSALS)
-        })
-        .await
-        .unwrap_or_default()
+        tokio::task::spawn_blocking(move || crate::codex_rollout::refused(&path, &SANDBOX_REFUSALS))
+            .await
+            .unwrap_or_default()
     }
 
     fn thread(&self, spec: &SessionSpec) -> Option<ConversationId> {
@@ -183,17 +173,6 @@ impl CodexAdapter {
         let cwd = spec.cwd.clone().unwrap_or_else(|| self.data_dir.clone());
         let argv = self.argv(spec, &cwd);
         let shown = format!("{} {}", self.bin.display(), argv.join(" "));
-        // Where this turn's records will start in a resumed thread's rollout.
-        let rollout_from = match self.thread(spec) {
-            Some(t) => match self.rollout(&t).await {
-                Some(p) => {
-                    let len = crate::codex_rollout::length(&p);
-                    Some((p, len))
-                }
-                None => None,
-            },
-            None => None,
-        };
         let mut child = match tokio::process::Command::new(&self.bin)
             .args(&argv)
             .current_dir(&cwd)
@@ -303,7 +282,7 @@ impl CodexAdapter {
                 .map(|l| l.trim().to_string()),
         );
         if matches!(outcome, Some(Ok(()))) {
-            for r in self.rollout_refusals(spec, rollout_from).await {
+            for r in self.rollout_refusals(spec).await {
                 if !refused.contains(&r) {
                     refused.push(r);
                 }

@@ -5,11 +5,13 @@
 //! item ever being printed; the rollout always has the call and its output.
 
 use std::collections::HashMap;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use turnstile_shared::ConversationId;
+
+/// The rollout record that opens a turn.
+const TASK_STARTED: &str = "task_started";
 
 /// Where codex keeps its state: `CODEX_HOME`, else `~/.codex`.
 pub(crate) fn codex_home() -> Option<PathBuf> {
@@ -42,29 +44,28 @@ pub(crate) fn find(home: &Path, thread: &ConversationId) -> Option<PathBuf> {
     None
 }
 
-/// The file's length now: where this turn's records will start.
-pub(crate) fn length(path: &Path) -> u64 {
-    std::fs::metadata(path).map_or(0, |m| m.len())
-}
-
-/// `<command>: <refusal>` for each command recorded after byte `from` whose output shows
-/// one of `refusals` and which did not exit 0.
-pub(crate) fn refused(path: &Path, from: u64, refusals: &[&str]) -> Vec<String> {
-    let mut text = String::new();
-    let read = std::fs::File::open(path).and_then(|mut f| {
-        f.seek(SeekFrom::Start(from))?;
-        f.read_to_string(&mut text)
-    });
-    if let Err(e) = read {
-        tracing::debug!(path = %path.display(), error = %e, "read codex rollout");
-        return Vec::new();
-    }
+/// `<command>: <refusal>` for each command of the file's last turn (the records after its
+/// last `task_started`: `codex exec` runs one turn per process) whose output shows one of
+/// `refusals` and which did not exit 0.
+pub(crate) fn refused(path: &Path, refusals: &[&str]) -> Vec<String> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::debug!(path = %path.display(), error = %e, "read codex rollout");
+            return Vec::new();
+        }
+    };
+    let records: Vec<Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let start = records
+        .iter()
+        .rposition(|r| r.pointer("/payload/type").and_then(Value::as_str) == Some(TASK_STARTED))
+        .unwrap_or(0);
     let mut calls: HashMap<String, String> = HashMap::new();
     let mut out = Vec::new();
-    for line in text.lines() {
-        let Ok(record) = serde_json::from_str::<Value>(line) else {
-            continue;
-        };
+    for record in &records[start..] {
         let Some(payload) = record.get("payload") else {
             continue;
         };
@@ -149,11 +150,13 @@ mod tests {
             r#"{"type":"response_item","payload":{"type":"function_call_output","call_id":"c2","output":"Process exited with code 0\nOutput:\nRead-only file system is fine here\n"}}"#,
         ];
         std::fs::write(&path, lines.join("\n")).expect("write");
-        let found = refused(&path, 0, &["Read-only file system"]);
+        let found = refused(&path, &["Read-only file system"]);
         assert_eq!(found, vec!["touch refused.txt: Read-only file system"]);
-        // Only what was written after `from` counts.
-        let from = length(&path);
-        assert!(refused(&path, from, &["Read-only file system"]).is_empty());
+        // Only the last turn counts: a later turn without a refusal finds none.
+        let mut later = lines.to_vec();
+        later.push(lines[0]);
+        std::fs::write(&path, later.join("\n")).expect("write");
+        assert!(refused(&path, &["Read-only file system"]).is_empty());
         assert_eq!(exit_code("\"exit_code\": 2"), Some(2));
         let _ = std::fs::remove_file(&path);
     }

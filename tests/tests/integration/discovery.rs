@@ -3,11 +3,7 @@
 //! three services with their descriptions, versions and each endpoint's subject and metadata
 //! (its wire types and where they are documented).
 
-use std::process::Stdio;
-use std::time::Duration;
-
 use anyhow::{ensure, Context, Result};
-use serde_json::Value;
 use turnstile_shared::subjects::api as subj;
 use turnstile_tests::workspace_root;
 
@@ -42,29 +38,11 @@ async fn any_nats_client_finds_every_api_with_its_endpoints() -> Result<()> {
 }
 
 async fn discover(stack: &mut Stack, python: &str) -> Result<()> {
-    let url = stack
-        .env_as("cli")
-        .into_iter()
-        .find(|(k, _)| k == "TURNSTILE_NATS_URL")
-        .map(|(_, v)| v)
-        .context("no NATS URL for the CLI")?;
     let script = workspace_root().join("tests").join("srv_discovery.py");
-    let child = tokio::process::Command::new(python)
-        .arg(&script)
-        .env("TURNSTILE_NATS_URL", url)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("run {python} {}", script.display()))?;
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
-        .await
-        .context("the discovery client did not finish within 60 s")??;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(out.status.success(), "discovery failed: {stderr}");
-    let found: Value = serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("discovery output; stderr: {stderr}"))?;
+    let mut cmd = tokio::process::Command::new(python);
+    cmd.arg(&script)
+        .env("TURNSTILE_NATS_URL", stack.operator_url());
+    let found = crate::mcp::json_output(cmd, "the discovery client").await?;
 
     let pings = found["pings"].as_array().context("pings")?;
     for (name, verbs) in EXPECTED {

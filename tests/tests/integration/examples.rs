@@ -21,12 +21,7 @@ async fn the_python_follower_prints_a_runs_turns_and_steps() -> Result<()> {
 }
 
 async fn follow(stack: &mut Stack, python: &str) -> Result<()> {
-    let url = stack
-        .env_as("observer")
-        .into_iter()
-        .find(|(k, _)| k == "TURNSTILE_NATS_URL")
-        .map(|(_, v)| v)
-        .context("no NATS URL for the observer")?;
+    let url = stack.nats.url_as("observer", &stack.password("observer")?);
     let s = stack.create_session("followed", None).await?;
     let script = workspace_root().join("examples").join("follow_session.py");
     let mut child = tokio::process::Command::new(python)

@@ -428,3 +428,53 @@ async fn paused_fenced(stack: &mut Stack) -> Result<()> {
     stack.typed_exactly_once(&s, &typed).await?;
     Ok(())
 }
+
+/// R1 across a NATS restart: an idle lane's waiting pull request dies with the server, and
+/// the replica renews it as soon as it has reconnected (one shared reply subscription serves
+/// every lane, `lane/pull.rs`). With a pin TTL of 120 s the request would otherwise only be
+/// renewed when it expires (40 s later), far beyond this test's 20 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_lane_is_served_right_after_a_nats_restart() -> Result<()> {
+    let slow = [("TURNSTILE_LANE_PIN_TTL", "120s")];
+    let mut stack = Stack::start_with(&["a"], &["h1"], &slow).await?;
+    let r = idle_through_restart(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn idle_through_restart(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("idle-across", None).await?;
+    let warm = stack.send_all(&s, &["warm up"]).await?;
+    stack.all_complete(&warm).await?;
+    stack.nats.kill().await?;
+    stack.nats.restart().await?;
+    // The API answers again once its replica has reconnected; the retries carry one turn id,
+    // so a send that got through without its reply is not sent twice.
+    let req = turnstile_shared::api::SendTurn {
+        session: s.clone(),
+        text: "after the restart".into(),
+        turn: Some(turnstile_shared::TurnId::new()),
+    };
+    let turn = turnstile_tests::wait_until(
+        "the session API after the restart",
+        Duration::from_secs(20),
+        || async {
+            let sent: Result<turnstile_shared::records::TurnRecord, _> =
+                turnstile_shared::api::call(
+                    &stack.client,
+                    turnstile_shared::subjects::api::SESSION_SEND,
+                    &req,
+                    crate::stack::API,
+                )
+                .await;
+            Ok(sent.ok().map(|r| r.id))
+        },
+    )
+    .await?;
+    stack
+        .all_complete_within(&[turn], Duration::from_secs(20))
+        .await?;
+    stack
+        .typed_exactly_once(&s, &["warm up", "after the restart"])
+        .await?;
+    Ok(())
+}

@@ -123,33 +123,40 @@ async fn run_client(stack: &Stack, s: &SessionId, python: &str, args: &Value) ->
     let caller = stack.caller(s).await?;
     let script = workspace_root().join("tests").join("mcp_client.py");
     let turnstile = bin_path("turnstile")?;
-    let child = tokio::process::Command::new(python)
-        .arg(&script)
+    let mut cmd = tokio::process::Command::new(python);
+    cmd.arg(&script)
         .arg(&turnstile)
         .arg(args.to_string())
         .env_remove("TURNSTILE_STEP")
         .env_remove("TURNSTILE_STEP_TOKEN")
         .env("TURNSTILE_SESSION", s.as_str())
         .env("TURNSTILE_TOKEN", &caller.token)
-        .env("TURNSTILE_NATS_URL", stack.nats.url())
+        .env("TURNSTILE_NATS_URL", stack.nats.url());
+    json_output(cmd, "the MCP client").await
+}
+
+/// Runs a test client (a Python script) to its end, within 60 s, and reads the one JSON
+/// document it prints; its stderr is in any error.
+pub(crate) async fn json_output(mut cmd: tokio::process::Command, what: &str) -> Result<Value> {
+    let child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .with_context(|| format!("run {python} {}", script.display()))?;
+        .with_context(|| format!("run {what}: {cmd:?}"))?;
     let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
         .await
-        .context("the MCP client did not finish within 60 s")??;
+        .with_context(|| format!("{what} did not finish within 60 s"))??;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure!(
         out.status.success(),
-        "the MCP client failed ({}): {stderr}",
+        "{what} failed ({}): {stderr}",
         out.status
     );
     serde_json::from_slice(&out.stdout).with_context(|| {
         format!(
-            "client output: {}; stderr: {stderr}",
+            "{what}'s output: {}; stderr: {stderr}",
             String::from_utf8_lossy(&out.stdout)
         )
     })

@@ -85,10 +85,9 @@ pub(crate) async fn collect_expecting(
     let (fetched, mut early) = tokio::join!(fetch(ctx, session), early);
     let fetched = fetched?;
     let verdicts = futures::future::join_all(fetched.iter().map(|f| {
-        let known = match &early {
-            Some((e, _)) if **e == f.completion.execution => early.take().map(|(_, v)| v),
-            _ => None,
-        };
+        let known = early
+            .take_if(|(e, _)| **e == f.completion.execution)
+            .map(|(_, v)| v);
         async move {
             match known {
                 Some(v) => v,
@@ -102,19 +101,16 @@ pub(crate) async fn collect_expecting(
 
 /// A pending completion pulled for a turn: its message, its stream sequence and what it
 /// says.
-pub(crate) struct Fetched {
-    pub msg: jetstream::Message,
-    pub seq: u64,
-    pub completion: Completion,
+struct Fetched {
+    msg: jetstream::Message,
+    seq: u64,
+    completion: Completion,
 }
 
 /// Pulls up to the cap of pending completions. Those that are not completions for this
 /// session (undecodable, another kind, another session's) are refused here (R8); the rest
-/// still need [`check_all`].
-pub(crate) async fn fetch(
-    ctx: &Ctx,
-    session: &SessionRecord,
-) -> Result<Vec<Fetched>, DeliveryError> {
+/// still need their registry [`check`].
+async fn fetch(ctx: &Ctx, session: &SessionRecord) -> Result<Vec<Fetched>, DeliveryError> {
     let consumer = ctx.completion_consumer(&session.id).await?;
     let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
         session: session.id.clone(),
@@ -143,7 +139,7 @@ pub(crate) async fn fetch(
 }
 
 /// Keeps what the registry admitted; the rest is retried later or refused (dead-lettered).
-pub(crate) async fn keep_admitted(
+async fn keep_admitted(
     ctx: &Ctx,
     session: &SessionId,
     fetched: Vec<Fetched>,
@@ -171,7 +167,7 @@ pub(crate) async fn keep_admitted(
 }
 
 /// Why a fetched completion is not carried now.
-pub(crate) enum Refusal {
+enum Refusal {
     Retry(turnstile_shared::kv::KvError),
     Reject(String),
 }

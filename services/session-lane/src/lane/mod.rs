@@ -93,13 +93,13 @@ async fn serve(
             next = messages.next() => match next {
                 Ok(msg) => {
                     pinned = true;
-                    if let Ok(info) = msg.info() {
-                        turnstile_shared::metrics::metrics()
-                            .lane_queue_depth
-                            .observe(info.pending as f64);
-                    }
+                    let (seq, behind) = msg
+                        .info()
+                        .map_or((0, 0), |i| (i.stream_sequence, i.pending));
+                    turnstile_shared::metrics::metrics()
+                        .lane_queue_depth
+                        .observe(behind as f64);
                     note_pin(ctx, &session.id, &msg, &mut pin);
-                    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
                     match &in_flight {
                         // A redelivery of the item we still hold (its ack wait ran out).
                         Some((current, _)) if *current == seq => {
