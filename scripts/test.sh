@@ -10,6 +10,9 @@ scripts/install-python-tools.sh
 export TURNSTILE_PYTHON="$PWD/.tools/venv/bin/python"
 # The real Claude Code and Codex CLIs the adapter tests drive (against a scripted model).
 scripts/install-agent-clis.sh
+# Debian's Chromium, headless, loads `turnstile dashboard` in the dashboard test.
+TURNSTILE_CHROMIUM="$(scripts/install-chromium.sh)"
+export TURNSTILE_CHROMIUM
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings

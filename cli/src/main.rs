@@ -17,9 +17,12 @@
 //! * `mcp`: `turnstile mcp`, the step tools as an MCP server over stdio. Leaf.
 //! * `dev`: `turnstile dev`, nats-server and every service in this process. Calls `events`.
 //! * `events`: `turnstile events`, follows `TS_EVENTS`. Leaf.
+//! * `dashboard`: `turnstile dashboard`, a live web page of hosts, sessions, runs' trees and
+//!   schedules. Leaf.
 //! * `turnstile mock-agent` is the `turnstile_mock_agent` crate, run before any runtime starts.
 
 mod admin;
+mod dashboard;
 mod dev;
 mod events;
 mod hosts;
@@ -72,6 +75,9 @@ enum Command {
     Host(hosts::HostCommand),
     /// Follow lifecycle events (`ts.events.>`).
     Events(events::EventsArgs),
+    /// Serve a live web page of hosts, sessions, runs with their execution trees, and
+    /// schedules (works with the read-only observer identity).
+    Dashboard(dashboard::DashboardArgs),
     /// Start and inspect child executions (acts with the caller's session or step token).
     #[command(subcommand)]
     Step(steps::StepCommand),
@@ -132,6 +138,7 @@ fn main() -> ExitCode {
             Command::Schedule(cmd) => schedule::run(&cli.nats.url, cmd).await,
             Command::Run(cmd) => runs::run(&cli.nats.url, cmd).await,
             Command::Events(args) => events::run(&cli.nats.url, args).await,
+            Command::Dashboard(args) => dashboard::run(&cli.nats.url, args).await,
             Command::Host(cmd) => hosts::run(&cli.nats.url, cmd).await,
             Command::Step(cmd) => steps::run(&cli.nats.url, cmd).await,
             Command::Tree { id, json } => steps::tree(&cli.nats.url, id, json).await,

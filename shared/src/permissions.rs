@@ -74,6 +74,22 @@ fn jetstream(reads: &[String]) -> Vec<String> {
     out
 }
 
+/// The observer's requests: the APIs that only read (what `turnstile dashboard` shows), and
+/// service discovery. No API that changes anything, no JetStream API, no lane or event.
+pub fn observer_reads() -> Vec<String> {
+    vec![
+        subj::SESSION_LIST.into(),
+        subj::SESSION_SHOW.into(),
+        subj::SESSION_HOSTS.into(),
+        subj::RUNS_LIST.into(),
+        subj::RUNS_SHOW.into(),
+        subj::SCHEDULES_LIST.into(),
+        subj::SCHEDULES_SHOW.into(),
+        subj::exec(subj::OPERATOR, subj::TREE),
+        "$SRV.>".into(),
+    ]
+}
+
 fn owned(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
 }
@@ -151,8 +167,8 @@ impl Role {
             Role::Admin => "`turnstile admin provision`: creates and updates streams and \
                  buckets; nothing else"
                 .into(),
-            Role::Observer => "follows lifecycle events and discovers services; publishes \
-                 nothing"
+            Role::Observer => "follows lifecycle events, discovers services and calls the \
+                 read-only APIs (list, show, hosts, tree); changes nothing"
                 .into(),
             Role::Cli => "the operator's `turnstile` CLI (and the `nats` CLI)".into(),
             Role::Revoker => "the broker's system identity: lists a stopped session's \
@@ -258,8 +274,8 @@ impl Role {
                 subscribe: owned(&["_INBOX.>"]),
             },
             Role::Observer => Grant {
-                publish: Vec::new(),
-                publish_deny: owned(&[">"]),
+                publish: observer_reads(),
+                publish_deny: Vec::new(),
                 subscribe: owned(&[subjects::EVENTS_ALL, "$SRV.>", "_INBOX.>"]),
             },
             Role::Cli => service(
@@ -345,6 +361,23 @@ mod tests {
         assert!(all.contains("transport_build-a"));
         assert!(!all.contains("transport_other"), "{all}");
         assert!(!grant.publish.iter().any(|p| p == "$JS.API.>"));
+    }
+
+    #[test]
+    fn the_observer_only_reads() {
+        let grant = Role::Observer.grant();
+        for p in &grant.publish {
+            let read_only = p.ends_with(".list")
+                || p.ends_with(".show")
+                || p.ends_with(".hosts")
+                || p.ends_with(".tree")
+                || p == "$SRV.>";
+            assert!(read_only, "the observer may publish {p}");
+        }
+        assert!(!grant
+            .publish
+            .iter()
+            .any(|p| p.starts_with("$JS.") || p.contains('*')));
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod bad_input;
 mod children;
 mod claude;
 mod codex;
+mod dashboard;
 mod delivery;
 mod deployed;
 mod dev;

@@ -398,6 +398,7 @@ async fn view(
     let mut busy = false;
     let mut queued = 0;
     let mut in_flight = None;
+    let mut pending = 0;
     if record.is_active() {
         let stream = ctx
             .js
@@ -415,14 +416,35 @@ async fn view(
                     in_flight_turn(ctx, &stream, &record.id, info.delivered.stream_sequence).await;
             }
         }
+        pending = completion_backlog(ctx, &record.id).await?;
     }
     Ok(SessionView {
         session: record.redacted(),
         busy,
         in_flight,
         queued,
+        pending,
         transport: transport.to_string(),
     })
+}
+
+/// The session's completions still on `TS_COMPLETION`: a handed-over one is deleted (R3),
+/// so what is left is pending or being delivered.
+async fn completion_backlog(ctx: &Ctx, session: &SessionId) -> Result<u64, ApiError> {
+    let stream = ctx
+        .js
+        .get_stream_no_info(subjects::COMPLETION_STREAM)
+        .await
+        .map_err(ApiError::internal)?;
+    let mut per_subject = stream
+        .info_with_subjects(subjects::completion_session_all(session))
+        .await
+        .map_err(ApiError::internal)?;
+    let mut total = 0u64;
+    while let Some(entry) = futures::StreamExt::next(&mut per_subject).await {
+        total += entry.map_err(ApiError::internal)?.1 as u64;
+    }
+    Ok(total)
 }
 
 async fn in_flight_turn(

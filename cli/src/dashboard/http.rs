@@ -1,0 +1,190 @@
+//! The dashboard's HTTP side: `/` the page (one HTML file with its script inline, no build
+//! step), `/events` the live feed as server-sent events (`snapshot` first, then one `ts` event
+//! per lifecycle event, `resync` when the page must start over), `/snapshot` the snapshot as
+//! JSON (for scripts), `/healthz`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use hyper::body::{Bytes, Frame};
+use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::{Request, Response, StatusCode};
+use tokio::sync::{broadcast, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use super::feed::Feed;
+use super::snapshot::{self, Limits};
+
+/// The page: markup, style and script in one file, served as it is.
+const PAGE: &str = include_str!("page.html");
+/// A comment line keeps idle connections open through proxies.
+const KEEPALIVE: Duration = Duration::from_secs(15);
+/// Frames one page may have unsent before it counts as gone.
+const PAGE_BUFFER: usize = 256;
+
+type Body = BoxBody<Bytes, Infallible>;
+
+/// What every request handler shares.
+pub struct State {
+    pub client: async_nats::Client,
+    /// The server without credentials, as shown on the page.
+    pub server: String,
+    pub feed: broadcast::Sender<Feed>,
+    pub limits: Limits,
+    pub shutdown: CancellationToken,
+}
+
+/// Serves until `shutdown`.
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
+    loop {
+        let (stream, _) = tokio::select! {
+            biased;
+            _ = state.shutdown.cancelled() => return,
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "dashboard accept");
+                    continue;
+                }
+            },
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(route(&state, &req).await) }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, service)
+                .await
+            {
+                tracing::debug!(error = %e, "dashboard connection");
+            }
+        });
+    }
+}
+
+async fn route<B>(state: &Arc<State>, req: &Request<B>) -> Response<Body> {
+    match req.uri().path() {
+        "/" | "/index.html" => full(StatusCode::OK, "text/html; charset=utf-8", PAGE.into()),
+        "/events" => events(state),
+        "/snapshot" => {
+            let json = snapshot_json(state).await;
+            full(StatusCode::OK, "application/json", json)
+        }
+        "/healthz" => full(StatusCode::OK, "text/plain", "up\n".into()),
+        other => full(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            format!("no page {other}: try / or /events\n"),
+        ),
+    }
+}
+
+fn full(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {
+    let mut response = Response::new(Full::new(Bytes::from(body)).boxed());
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+        .headers_mut()
+        .insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+async fn snapshot_json(state: &State) -> String {
+    let snap = snapshot::take(&state.client, &state.server, state.limits).await;
+    let mut value = serde_json::to_value(&snap).unwrap_or_default();
+    snapshot::redact(&mut value);
+    value.to_string()
+}
+
+/// `/events`: a page's own stream. It subscribes to the feed before it reads the snapshot, so
+/// an event of the moment of reading is in one or the other (or both: the page ignores a
+/// state that would go backwards).
+fn events(state: &Arc<State>) -> Response<Body> {
+    let (tx, rx) = mpsc::channel::<Bytes>(PAGE_BUFFER);
+    let feed = state.feed.subscribe();
+    tokio::spawn(stream_page(state.clone(), feed, tx));
+    let frames = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+    });
+    let mut response = Response::new(BodyExt::boxed(StreamBody::new(frames)));
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+async fn stream_page(
+    state: Arc<State>,
+    mut feed: broadcast::Receiver<Feed>,
+    tx: mpsc::Sender<Bytes>,
+) {
+    // A page that lost its stream reconnects after a second and starts over.
+    let snap = snapshot_json(&state).await;
+    if tx.send(frame("snapshot", &snap, Some(1000))).await.is_err() {
+        return;
+    }
+    let mut keepalive = tokio::time::interval(KEEPALIVE);
+    keepalive.tick().await;
+    loop {
+        let out = tokio::select! {
+            biased;
+            _ = state.shutdown.cancelled() => return,
+            _ = tx.closed() => return,
+            f = feed.recv() => match f {
+                Ok(Feed::Event(e)) => frame("ts", &e, None),
+                Ok(Feed::Resync) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let _ = tx.send(frame("resync", "{}", None)).await;
+                    return;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+            _ = keepalive.tick() => Bytes::from_static(b": keepalive\n\n"),
+        };
+        if tx.send(out).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// One server-sent event; a line break inside `data` starts another `data:` line.
+fn frame(event: &str, data: &str, retry_ms: Option<u64>) -> Bytes {
+    let mut out = String::with_capacity(data.len() + 32);
+    if let Some(ms) = retry_ms {
+        out.push_str(&format!("retry: {ms}\n"));
+    }
+    out.push_str("event: ");
+    out.push_str(event);
+    out.push('\n');
+    for line in data.split('\n') {
+        out.push_str("data: ");
+        out.push_str(line);
+        out.push('\n');
+    }
+    out.push('\n');
+    Bytes::from(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_follow_the_event_stream_format() {
+        let f = frame("ts", "{\"a\":1}", None);
+        assert_eq!(&f[..], b"event: ts\ndata: {\"a\":1}\n\n");
+        let f = frame("snapshot", "a\nb", Some(1000));
+        assert_eq!(
+            &f[..],
+            b"retry: 1000\nevent: snapshot\ndata: a\ndata: b\n\n"
+        );
+    }
+}

@@ -1,0 +1,69 @@
+//! `turnstile dashboard`: a live web page of what the agents are doing. It connects with the
+//! identity in `--nats` (the operator's, or the read-only observer's), serves one page, and
+//! streams to it one snapshot and then the lifecycle events: no loop reads KV. Nothing it
+//! sends carries a token, and the server is shown without credentials.
+//!
+//! * `snapshot`: the one read, through the read-only APIs.
+//! * `feed`: the one subscription to `ts.events.>`, shared by every page.
+//! * `http`: the page, the event stream, `/snapshot`.
+
+mod feed;
+mod http;
+mod snapshot;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct DashboardArgs {
+    /// Serve the page on this address.
+    #[arg(
+        long = "http",
+        env = "TURNSTILE_DASHBOARD_HTTP",
+        default_value = "127.0.0.1:8090"
+    )]
+    pub addr: SocketAddr,
+    /// Sessions shown (the most recently changed first).
+    #[arg(long, default_value_t = 200)]
+    pub sessions: u32,
+    /// Runs shown with their trees (the newest first).
+    #[arg(long, default_value_t = 20)]
+    pub runs: u32,
+    /// Schedules shown.
+    #[arg(long, default_value_t = 100)]
+    pub schedules: u32,
+}
+
+pub async fn run(url: &str, args: DashboardArgs) -> anyhow::Result<ExitCode> {
+    turnstile_shared::telemetry::init();
+    let shutdown = CancellationToken::new();
+    turnstile_shared::telemetry::cancel_on_signal(shutdown.clone());
+    let (server, _) = turnstile_shared::config::split_credentials(url);
+    let client = turnstile_shared::config::connect_once(url, "turnstile-dashboard").await?;
+    let feed = feed::start(client.clone(), shutdown.clone())
+        .await
+        .context("subscribe to the lifecycle events")?;
+    let listener = tokio::net::TcpListener::bind(args.addr)
+        .await
+        .with_context(|| format!("serve the dashboard on {}", args.addr))?;
+    let local = listener.local_addr()?;
+    // The first line on stdout says where the page is (scripts read it).
+    println!("dashboard: http://{local}/ (NATS {server})");
+    let state = Arc::new(http::State {
+        client,
+        server,
+        feed,
+        limits: snapshot::Limits {
+            sessions: args.sessions,
+            runs: args.runs,
+            schedules: args.schedules,
+        },
+        shutdown: shutdown.clone(),
+    });
+    http::serve(listener, state).await;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,188 @@
+//! `turnstile dashboard` in a real browser: Debian's Chromium, headless, driven over the
+//! DevTools protocol by `tests/dashboard_browser.py`, loads the page served with the read-only
+//! observer identity before a run starts. The run's tree must appear and its step must go from
+//! running to completed on the same page (one snapshot, no reload), a screenshot is saved, and
+//! a fresh load must show the finished tree from the snapshot alone. Neither the page nor the
+//! snapshot may carry the session's token or the identity's password.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::ChildStdout;
+use turnstile_tests::{bin_path, free_port, workspace_root};
+
+use crate::health::get;
+use crate::stack::{report, Stack};
+
+/// Debian's Chromium: `TURNSTILE_CHROMIUM`, else `chromium` on the PATH
+/// (`scripts/install-chromium.sh` installs it and prints its path).
+fn chromium() -> Result<String> {
+    if let Ok(p) = std::env::var("TURNSTILE_CHROMIUM") {
+        if !p.is_empty() {
+            return Ok(p);
+        }
+    }
+    for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
+        for name in ["chromium", "chromium-browser"] {
+            if dir.join(name).is_file() {
+                return Ok(dir.join(name).display().to_string());
+            }
+        }
+    }
+    bail!("no Chromium: run scripts/install-chromium.sh (scripts/test.sh does)")
+}
+
+/// Where the screenshot is kept after the test: `target/test-artifacts/`.
+fn artifact(name: &str) -> Result<PathBuf> {
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+        .join("test-artifacts");
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    Ok(dir.join(name))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_a_runs_tree_live_in_headless_chromium() -> Result<()> {
+    let chromium = chromium()?;
+    let python = crate::mcp::python()?;
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = dashboard(&mut stack, &python, &chromium).await;
+    report(&stack, r)
+}
+
+async fn next_line(
+    lines: &mut Lines<BufReader<ChildStdout>>,
+    what: &str,
+    secs: u64,
+) -> Result<String> {
+    tokio::time::timeout(Duration::from_secs(secs), lines.next_line())
+        .await
+        .with_context(|| format!("no {what} within {secs} s"))??
+        .with_context(|| format!("output ended before {what}"))
+}
+
+async fn dashboard(stack: &mut Stack, python: &str, chromium: &str) -> Result<()> {
+    let s = stack.create_session("watched", None).await?;
+    let password = stack.password("observer")?;
+    let port = free_port()?;
+    let mut server = tokio::process::Command::new(bin_path("turnstile")?)
+        .args(["dashboard", "--http", &format!("127.0.0.1:{port}")])
+        .env(
+            "TURNSTILE_NATS_URL",
+            stack.nats.url_as("observer", &password),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .context("start turnstile dashboard")?;
+    let mut out = BufReader::new(server.stdout.take().context("no stdout")?).lines();
+    let first = next_line(&mut out, "the dashboard's address", 30).await?;
+    let url = format!("http://127.0.0.1:{port}/");
+    ensure!(first.contains(&url), "first line: {first:?}");
+    ensure!(
+        !first.contains(&password),
+        "the address line shows the password"
+    );
+
+    let screenshot = artifact("dashboard.png")?;
+    let _ = std::fs::remove_file(&screenshot);
+    let scratch = tempfile::tempdir()?;
+    let html = scratch.path().join("page.html");
+    let browser_log = scratch.path().join("chromium.log");
+    let script = workspace_root().join("tests").join("dashboard_browser.py");
+    let mut driver = tokio::process::Command::new(python)
+        .arg(&script)
+        .args([chromium, url.as_str(), "--step", "build", "--timeout", "60"])
+        .arg("--screenshot")
+        .arg(&screenshot)
+        .arg("--html")
+        .arg(&html)
+        .arg("--log")
+        .arg(&browser_log)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("run {python} {}", script.display()))?;
+    let mut stdin = driver.stdin.take().context("no stdin")?;
+    let mut lines = BufReader::new(driver.stdout.take().context("no stdout")?).lines();
+    let mut seen = Vec::new();
+    let result = async {
+        let loaded = next_line(&mut lines, "the page's first snapshot", 90).await?;
+        ensure!(loaded == "loaded", "driver: {loaded}");
+        // The page is open before the run exists: everything of it arrives as events.
+        let run = stack
+            .start_run(
+                &s,
+                &["build it\n!step build 3s --scope run\n!sleep 1s"],
+                None,
+            )
+            .await?;
+        stdin.write_all(format!("{}\n", run.id).as_bytes()).await?;
+        stdin.flush().await?;
+        loop {
+            let line = next_line(&mut lines, "the driver's next step", 150).await?;
+            seen.push(line.clone());
+            if line == "snapshot ok" || line.starts_with("timed out") {
+                break;
+            }
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    // Whatever the driver printed after, for the failure message.
+    while let Ok(Ok(Some(l))) =
+        tokio::time::timeout(Duration::from_secs(5), lines.next_line()).await
+    {
+        seen.push(l);
+    }
+    let status = tokio::time::timeout(Duration::from_secs(20), driver.wait()).await;
+    let text = seen.join("\n");
+    result.with_context(|| format!("driver said:\n{text}"))?;
+    ensure!(
+        matches!(status, Ok(Ok(ref st)) if st.success()),
+        "driver: {status:?}\n{text}"
+    );
+    let order: Vec<&str> = seen
+        .iter()
+        .map(String::as_str)
+        .filter(|l| ["step running", "step completed", "snapshot ok"].contains(l))
+        .collect();
+    ensure!(
+        order == ["step running", "step completed", "snapshot ok"],
+        "the page did not show the step run then complete live:\n{text}"
+    );
+
+    let png = std::fs::read(&screenshot)
+        .with_context(|| format!("no screenshot at {}", screenshot.display()))?;
+    ensure!(
+        png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000,
+        "the screenshot is not a picture of the page ({} bytes)",
+        png.len()
+    );
+
+    // No secret reaches the browser: not in the page, not in the snapshot.
+    let token = stack.session_record(&s).await?.token;
+    let page = std::fs::read_to_string(&html)?;
+    let (code, snapshot) = get(port, "/snapshot").await?;
+    ensure!(code == 200, "/snapshot: {code}");
+    for (what, body) in [("the page", &page), ("/snapshot", &snapshot)] {
+        ensure!(!body.contains(&token), "{what} shows the session's token");
+        ensure!(
+            !body.contains(&password),
+            "{what} shows the observer's password"
+        );
+    }
+    ensure!(
+        snapshot.contains(s.as_str()) && snapshot.contains("\"build\""),
+        "the snapshot lacks the session or the step: {snapshot}"
+    );
+    Ok(())
+}
