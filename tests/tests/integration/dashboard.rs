@@ -36,7 +36,7 @@ fn chromium() -> Result<String> {
 }
 
 /// Where the screenshot is kept after the test: `target/test-artifacts/`.
-fn artifact(name: &str) -> Result<PathBuf> {
+pub(crate) fn artifact(name: &str) -> Result<PathBuf> {
     let dir = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join("target"))

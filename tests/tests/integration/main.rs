@@ -3,6 +3,7 @@
 
 mod adapters;
 mod agents;
+mod asyncapi;
 mod bad_input;
 mod children;
 mod claude;

@@ -756,7 +756,8 @@ pub fn report(stack: &Stack, r: Result<()>) -> Result<()> {
             "the server refused a service a permission:\n{}",
             refused.join("\n")
         );
-        Ok(())
+        // Every event the test made is one docs/asyncapi.yaml describes.
+        crate::asyncapi::check_stack(stack)
     });
     if r.is_err() {
         eprintln!("{}", stack.logs());
