@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 
 class Browser:
@@ -147,9 +148,13 @@ def wait(browser, what, expression, done, timeout):
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
-        last = browser.eval(expression)
-        if done(last):
-            return last
+        try:
+            last = browser.eval(expression)
+        except RuntimeError as e:  # the page between loads, or a script error: said below
+            last = f"error: {e}"
+        else:
+            if done(last):
+                return last
         time.sleep(0.1)
     print(f"timed out waiting for {what}; the page showed: {json.dumps(last)}", flush=True)
     body = browser.eval("document.body.innerText")
@@ -172,6 +177,9 @@ def main():
         browser = Browser(args.chromium, log)
         try:
             run(browser, args)
+        except Exception:  # said on stdout, where the test reads
+            print("failed: " + traceback.format_exc().replace("\n", " | "), flush=True)
+            sys.exit(1)
         finally:
             browser.close()
 

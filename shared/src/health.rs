@@ -113,30 +113,52 @@ pub async fn serve(
         .await
         .map_err(|source| HealthError { addr, source })?;
     tracing::info!(%addr, "health endpoints: /healthz, /readyz, /metrics");
+    serve_http(listener, shutdown, "health endpoint", move |req| {
+        let health = health.clone();
+        async move { respond(&health, &req) }
+    })
+    .await;
+    Ok(())
+}
+
+/// Answers HTTP/1 requests on `listener` with `handle`, one task per connection, until
+/// `shutdown` (the health endpoints, `turnstile dashboard`).
+pub async fn serve_http<F, Fut, B>(
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+    what: &'static str,
+    handle: F,
+) where
+    F: Fn(Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<B>> + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     loop {
         let (stream, _) = tokio::select! {
             biased;
-            _ = shutdown.cancelled() => return Ok(()),
+            _ = shutdown.cancelled() => return,
             a = listener.accept() => match a {
                 Ok(a) => a,
                 Err(e) => {
-                    tracing::warn!(error = %e, "health endpoint accept");
+                    tracing::warn!(error = %e, "{what} accept");
                     continue;
                 }
             },
         };
-        let health = health.clone();
+        let handle = handle.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let health = health.clone();
-                async move { Ok::<_, Infallible>(respond(&health, &req)) }
+            let service = hyper::service::service_fn(move |req| {
+                let response = handle(req);
+                async move { Ok::<_, Infallible>(response.await) }
             });
             let io = hyper_util::rt::TokioIo::new(stream);
             if let Err(e) = hyper::server::conn::http1::Builder::new()
                 .serve_connection(io, service)
                 .await
             {
-                tracing::debug!(error = %e, "health endpoint connection");
+                tracing::debug!(error = %e, "{what} connection");
             }
         });
     }

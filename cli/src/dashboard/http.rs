@@ -38,33 +38,12 @@ pub struct State {
 
 /// Serves until `shutdown`.
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
-    loop {
-        let (stream, _) = tokio::select! {
-            biased;
-            _ = state.shutdown.cancelled() => return,
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "dashboard accept");
-                    continue;
-                }
-            },
-        };
+    let shutdown = state.shutdown.clone();
+    turnstile_shared::health::serve_http(listener, shutdown, "dashboard", move |req| {
         let state = state.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(route(&state, &req).await) }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, service)
-                .await
-            {
-                tracing::debug!(error = %e, "dashboard connection");
-            }
-        });
-    }
+        async move { route(&state, &req).await }
+    })
+    .await;
 }
 
 async fn route<B>(state: &Arc<State>, req: &Request<B>) -> Response<Body> {

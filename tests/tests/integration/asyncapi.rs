@@ -160,33 +160,16 @@ pub fn check_event(subject: &str, payload: &[u8]) -> Result<String> {
     Ok(kind)
 }
 
-/// Every event stored in the stack's `TS_EVENTS`, as (subject, payload).
-pub async fn stored_events(stack: &Stack) -> Result<Vec<(String, Vec<u8>)>> {
-    let stream = stack.js.get_stream(subjects::EVENTS_STREAM).await?;
-    let mut out = Vec::new();
-    let mut seq = 0;
-    loop {
-        match stream
-            .direct_get_next_for_subject(subjects::EVENTS_ALL, Some(seq + 1))
-            .await
-        {
-            Ok(m) => {
-                seq = m.sequence;
-                out.push((m.subject.to_string(), m.payload.to_vec()));
-            }
-            Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
-                return Ok(out)
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
+/// Checks every stored event of a stack; returns the kinds seen.
+pub async fn check_events(stack: &Stack) -> Result<BTreeSet<String>> {
+    check_all(stack.stored_events().await?)
 }
 
-/// Checks every stored event of a stack; returns the kinds seen. Also appends them to
-/// `target/test-artifacts/event-kinds-seen.txt`, the suite's record of what it observed.
-pub async fn check_events(stack: &Stack) -> Result<BTreeSet<String>> {
+/// Checks events; appends their kinds to `target/test-artifacts/event-kinds-seen.txt`, the
+/// suite's record of what it observed (delete it before a run to see one run's).
+fn check_all(events: Vec<(String, Vec<u8>)>) -> Result<BTreeSet<String>> {
     let mut kinds = BTreeSet::new();
-    for (subject, payload) in stored_events(stack).await? {
+    for (subject, payload) in events {
         kinds.insert(check_event(&subject, &payload)?);
     }
     if let Ok(path) = crate::dashboard::artifact("event-kinds-seen.txt") {
@@ -196,13 +179,8 @@ pub async fn check_events(stack: &Stack) -> Result<BTreeSet<String>> {
             .append(true)
             .open(path)
         {
-            let _ = f.write_all(
-                kinds
-                    .iter()
-                    .map(|k| format!("{k}\n"))
-                    .collect::<String>()
-                    .as_bytes(),
-            );
+            let lines: String = kinds.iter().map(|k| format!("{k}\n")).collect();
+            let _ = f.write_all(lines.as_bytes());
         }
     }
     Ok(kinds)
@@ -219,16 +197,13 @@ pub fn check_stack(stack: &Stack) -> Result<()> {
     }
     let stored = tokio::task::block_in_place(|| {
         handle.block_on(async {
-            tokio::time::timeout(Duration::from_secs(20), stored_events(stack)).await
+            tokio::time::timeout(Duration::from_secs(20), stack.stored_events()).await
         })
     });
     let Ok(Ok(stored)) = stored else {
         return Ok(());
     };
-    for (subject, payload) in stored {
-        check_event(&subject, &payload)?;
-    }
-    Ok(())
+    check_all(stored).map(|_| ())
 }
 
 #[test]

@@ -130,7 +130,8 @@ async fn dashboard(stack: &mut Stack, python: &str, chromium: &str) -> Result<()
         loop {
             let line = next_line(&mut lines, "the driver's next step", 150).await?;
             seen.push(line.clone());
-            if line == "snapshot ok" || line.starts_with("timed out") {
+            if line == "snapshot ok" || line.starts_with("timed out") || line.starts_with("failed")
+            {
                 break;
             }
         }
@@ -144,6 +145,17 @@ async fn dashboard(stack: &mut Stack, python: &str, chromium: &str) -> Result<()
         seen.push(l);
     }
     let status = tokio::time::timeout(Duration::from_secs(20), driver.wait()).await;
+    let mut stderr = String::new();
+    if let Some(mut e) = driver.stderr.take() {
+        use tokio::io::AsyncReadExt;
+        let _ = tokio::time::timeout(Duration::from_secs(5), e.read_to_string(&mut stderr)).await;
+    }
+    let log = std::fs::read_to_string(&browser_log).unwrap_or_default();
+    let log_tail: Vec<&str> = log.lines().rev().take(15).collect();
+    seen.push(format!("stderr: {stderr}"));
+    seen.push(format!(
+        "chromium log (last lines, newest first): {log_tail:?}"
+    ));
     let text = seen.join("\n");
     result.with_context(|| format!("driver said:\n{text}"))?;
     ensure!(

@@ -104,6 +104,29 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
     observer.publish("ts.lane.forged", "x".into()).await?;
     observer.flush().await?;
     refused(&mut observer_errors, "ts.lane.forged").await?;
+    // It may read through the read-only APIs (what `turnstile dashboard` shows) and change
+    // nothing through the others.
+    let listed: turnstile_shared::page::Page<turnstile_shared::api::SessionView> =
+        turnstile_shared::api::call(
+            &observer,
+            turnstile_shared::subjects::api::SESSION_LIST,
+            &turnstile_shared::api::ListSessions::default(),
+            crate::stack::API,
+        )
+        .await?;
+    ensure!(
+        listed.items.iter().any(|v| v.session.name == "watched"),
+        "the observer's session list: {listed:?}"
+    );
+    observer
+        .publish(turnstile_shared::subjects::api::SESSION_CREATE, "{}".into())
+        .await?;
+    observer.flush().await?;
+    refused(
+        &mut observer_errors,
+        turnstile_shared::subjects::api::SESSION_CREATE,
+    )
+    .await?;
     // Through the connection every service makes, a refusal is logged as an error and counted.
     let before = permission_refusals();
     let service_way = connect_once(

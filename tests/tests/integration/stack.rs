@@ -669,6 +669,15 @@ impl Stack {
 
     /// Every event kept so far, in stream order.
     pub async fn events(&self) -> Result<Vec<Envelope>> {
+        self.stored_events()
+            .await?
+            .iter()
+            .map(|(_, payload)| Ok(Envelope::decode(payload)?))
+            .collect()
+    }
+
+    /// Every event stored in `TS_EVENTS`, as (subject, payload), oldest first.
+    pub async fn stored_events(&self) -> Result<Vec<(String, Vec<u8>)>> {
         let stream = self.js.get_stream(subjects::EVENTS_STREAM).await?;
         let mut out = Vec::new();
         let mut seq = 0;
@@ -679,17 +688,16 @@ impl Stack {
             {
                 Ok(m) => {
                     seq = m.sequence;
-                    out.push(Envelope::decode(&m.payload)?);
+                    out.push((m.subject.to_string(), m.payload.to_vec()));
                 }
                 Err(e)
                     if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound =>
                 {
-                    break
+                    return Ok(out)
                 }
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(out)
     }
 
     /// The messages a session's mock agent received, from its transcript file.
