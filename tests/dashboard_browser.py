@@ -19,15 +19,20 @@ usage: dashboard_browser.py CHROMIUM URL --step NAME --screenshot PNG --html FIL
 
 import argparse
 import base64
+import ctypes
 import fcntl
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+
+
+PR_SET_PDEATHSIG = 1
 
 
 class Browser:
@@ -36,6 +41,8 @@ class Browser:
         chrome_r, ours_w = os.pipe()  # and reads commands on its fd 3
 
         def fds_3_and_4():
+            # Chromium dies with this script, even when the script is SIGKILLed.
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             r = fcntl.fcntl(chrome_r, fcntl.F_DUPFD, 10)
             w = fcntl.fcntl(chrome_w, fcntl.F_DUPFD, 10)
             os.dup2(r, 3)
@@ -199,7 +206,7 @@ def run(browser, args):
 
     run_id = sys.stdin.readline().strip()
     if not run_id:
-        print("no run id on stdin", flush=True)
+        print("failed: no run id on stdin", flush=True)
         sys.exit(1)
     js = state_js(run_id, args.step)
     wait(browser, f"step {args.step} running", js, lambda s: s["step"] == "running", args.timeout)
@@ -212,7 +219,7 @@ def run(browser, args):
         args.timeout,
     )
     if final["snapshots"] != "1" or final["probe"] != "same page":
-        print(f"the page was reloaded or resynced: {json.dumps(final)}", flush=True)
+        print(f"failed: the page was reloaded or resynced: {json.dumps(final)}", flush=True)
         sys.exit(1)
     browser.screenshot(args.screenshot)
     print("step completed", flush=True)

@@ -76,8 +76,9 @@ pub struct SessionView {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_flight: Option<TurnRecord>,
     pub queued: u64,
-    /// Completions stored for the session and not yet handed over (R3): its backlog on
-    /// `TS_COMPLETION`. Absent from replies of builds before it was added.
+    /// Completions stored for the session and not yet handed over (R3), those a delivery is
+    /// carrying now included: its backlog on `TS_COMPLETION` (0 when it could not be read).
+    /// Absent from replies of builds before it was added.
     #[serde(default)]
     pub pending: u64,
     /// `up` while the session's host heartbeats, else `transport_unavailable`.

@@ -23,7 +23,7 @@ pub enum Role {
     Scheduler,
     /// Runs `turnstile admin provision`.
     Admin,
-    /// Follows events and discovers services; publishes nothing.
+    /// Follows events, discovers services and calls the read-only APIs; changes nothing.
     Observer,
     /// The operator's CLI.
     Cli,
@@ -73,6 +73,10 @@ fn jetstream(reads: &[String]) -> Vec<String> {
     }
     out
 }
+
+/// The principal part of the observer's reply inbox (`_INBOX.observer.>`): a client on the
+/// observer identity must set this prefix (async-nats `custom_inbox_prefix`).
+pub const OBSERVER_INBOX: &str = "observer";
 
 /// The observer's requests: the APIs that only read (what `turnstile dashboard` shows), and
 /// service discovery. No API that changes anything, no JetStream API, no lane or event.
@@ -276,7 +280,13 @@ impl Role {
             Role::Observer => Grant {
                 publish: observer_reads(),
                 publish_deny: Vec::new(),
-                subscribe: owned(&[subjects::EVENTS_ALL, "$SRV.>", "_INBOX.>"]),
+                // Replies only to its own inbox: `_INBOX.>` would show it every reply in the
+                // account (KV reads of records among them).
+                subscribe: vec![
+                    subjects::EVENTS_ALL.into(),
+                    "$SRV.>".into(),
+                    format!("{}.>", subj::inbox(OBSERVER_INBOX)),
+                ],
             },
             Role::Cli => service(
                 &subjects::ALL_STREAMS,
@@ -378,6 +388,10 @@ mod tests {
             .publish
             .iter()
             .any(|p| p.starts_with("$JS.") || p.contains('*')));
+        assert!(
+            !grant.subscribe.iter().any(|s| s == "_INBOX.>"),
+            "the observer would see every reply"
+        );
     }
 
     #[test]

@@ -44,6 +44,17 @@ pub fn agent_cli(name: &str) -> anyhow::Result<PathBuf> {
     Ok(bin)
 }
 
+/// Where a test keeps what outlives it (a screenshot, the event kinds the suite saw):
+/// `target/test-artifacts/` (under `CARGO_TARGET_DIR` when set).
+pub fn artifact(name: &str) -> anyhow::Result<PathBuf> {
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+        .join("test-artifacts");
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    Ok(dir.join(name))
+}
+
 /// A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, release it).
 ///
 /// Another process may take it before it is used; callers that spawn servers on it retry.

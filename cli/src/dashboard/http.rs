@@ -32,6 +32,8 @@ pub struct State {
     /// The server without credentials, as shown on the page.
     pub server: String,
     pub feed: broadcast::Sender<Feed>,
+    /// `Host` headers served: the listening address, localhost, `--allow-host`.
+    pub hosts: Vec<String>,
     pub limits: Limits,
     pub shutdown: CancellationToken,
 }
@@ -47,6 +49,18 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Arc<State>) {
 }
 
 async fn route<B>(state: &Arc<State>, req: &Request<B>) -> Response<Body> {
+    let host = req
+        .headers()
+        .get(hyper::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or_default();
+    if !host_allowed(&state.hosts, host) {
+        return full(
+            StatusCode::FORBIDDEN,
+            "text/plain",
+            format!("host {host:?} is not served here: add --allow-host to serve it\n"),
+        );
+    }
     match req.uri().path() {
         "/" | "/index.html" => full(StatusCode::OK, "text/html; charset=utf-8", PAGE.into()),
         "/events" => events(state),
@@ -63,23 +77,52 @@ async fn route<B>(state: &Arc<State>, req: &Request<B>) -> Response<Body> {
     }
 }
 
+/// The `Host` header names an address this dashboard answers to (exactly, or by name
+/// without its port for an `--allow-host NAME`).
+fn host_allowed(hosts: &[String], host: &str) -> bool {
+    let name = host.rsplit_once(':').map_or(host, |(n, _)| n);
+    hosts
+        .iter()
+        .any(|h| h == host || (!h.contains(':') && h == name))
+}
+
 fn full(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {
     let mut response = Response::new(Full::new(Bytes::from(body)).boxed());
     *response.status_mut() = status;
+    headers(&mut response, content_type);
     response
-        .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
-    response
-        .headers_mut()
-        .insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    response
+}
+
+/// Every response: its type, never cached, never sniffed as another type, and the page may
+/// load nothing from elsewhere.
+fn headers(response: &mut Response<Body>, content_type: &'static str) {
+    let h = response.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(
+        "x-content-type-options",
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        "content-security-policy",
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+             connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'",
+        ),
+    );
 }
 
 async fn snapshot_json(state: &State) -> String {
     let snap = snapshot::take(&state.client, &state.server, state.limits).await;
-    let mut value = serde_json::to_value(&snap).unwrap_or_default();
-    snapshot::redact(&mut value);
-    value.to_string()
+    match serde_json::to_value(&snap) {
+        Ok(mut value) => {
+            snapshot::redact(&mut value);
+            value.to_string()
+        }
+        Err(e) => {
+            serde_json::json!({ "errors": [format!("encode the snapshot: {e}")] }).to_string()
+        }
+    }
 }
 
 /// `/events`: a page's own stream. It subscribes to the feed before it reads the snapshot, so
@@ -95,9 +138,7 @@ fn events(state: &Arc<State>) -> Response<Body> {
             .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
     });
     let mut response = Response::new(BodyExt::boxed(StreamBody::new(frames)));
-    let headers = response.headers_mut();
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers(&mut response, "text/event-stream");
     response
 }
 
@@ -106,10 +147,39 @@ async fn stream_page(
     mut feed: broadcast::Receiver<Feed>,
     tx: mpsc::Sender<Bytes>,
 ) {
-    // A page that lost its stream reconnects after a second and starts over.
-    let snap = snapshot_json(&state).await;
+    // What arrives while the snapshot is read is kept (not left to lag the receiver) and
+    // sent after it.
+    let snapshot = snapshot_json(&state);
+    tokio::pin!(snapshot);
+    let mut early = Vec::new();
+    let snap = loop {
+        tokio::select! {
+            biased;
+            _ = state.shutdown.cancelled() => return,
+            s = &mut snapshot => break s,
+            f = feed.recv() => match f {
+                Ok(Feed::Resync) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let _ = tx.send(frame("resync", "{}", Some(1000))).await;
+                    return;
+                }
+                Ok(f) if early.len() < super::feed::BACKLOG => early.push(f),
+                Ok(_) => {
+                    let _ = tx.send(frame("resync", "{}", Some(1000))).await;
+                    return;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+        }
+    };
+    // A page that loses its stream reconnects after a second and starts over.
     if tx.send(frame("snapshot", &snap, Some(1000))).await.is_err() {
         return;
+    }
+    for f in early {
+        let Some(out) = feed_frame(&f) else { return };
+        if tx.send(out).await.is_err() {
+            return;
+        }
     }
     let mut keepalive = tokio::time::interval(KEEPALIVE);
     keepalive.tick().await;
@@ -119,8 +189,14 @@ async fn stream_page(
             _ = state.shutdown.cancelled() => return,
             _ = tx.closed() => return,
             f = feed.recv() => match f {
-                Ok(Feed::Event(e)) => frame("ts", &e, None),
-                Ok(Feed::Resync) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                Ok(f) => match feed_frame(&f) {
+                    Some(out) => out,
+                    None => {
+                        let _ = tx.send(frame("resync", "{}", None)).await;
+                        return;
+                    }
+                },
+                Err(broadcast::error::RecvError::Lagged(_)) => {
                     let _ = tx.send(frame("resync", "{}", None)).await;
                     return;
                 }
@@ -131,6 +207,16 @@ async fn stream_page(
         if tx.send(out).await.is_err() {
             return;
         }
+    }
+}
+
+/// The frame of one feed item; `None` for `Resync` (the stream ends).
+fn feed_frame(f: &Feed) -> Option<Bytes> {
+    match f {
+        Feed::Event(e) => Some(frame("ts", e, None)),
+        Feed::Session(s) => Some(frame("session", s, None)),
+        Feed::Schedule(s) => Some(frame("schedule", s, None)),
+        Feed::Resync => None,
     }
 }
 
@@ -155,6 +241,36 @@ fn frame(event: &str, data: &str, retry_ms: Option<u64>) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The page's event handlers are keyed by event kinds of the registry (a misspelt key
+    /// would never fire).
+    #[test]
+    fn the_page_handles_only_real_event_kinds() {
+        let start = PAGE.find("const handlers = {").expect("handlers");
+        let body = &PAGE[start..PAGE[start..].find("\n};").expect("end") + start];
+        let mut keys = 0;
+        for part in body.split('"').skip(1).step_by(2) {
+            if part.contains('.') && !part.contains(' ') {
+                assert!(
+                    part.parse::<turnstile_shared::events::EventKind>().is_ok(),
+                    "the page handles {part:?}, which is no event kind"
+                );
+                keys += 1;
+            }
+        }
+        assert!(keys >= 20, "found {keys} handler keys");
+    }
+
+    #[test]
+    fn only_the_served_hosts_are_answered() {
+        let hosts = vec!["127.0.0.1:8090".to_string(), "dash.example".to_string()];
+        assert!(host_allowed(&hosts, "127.0.0.1:8090"));
+        assert!(host_allowed(&hosts, "dash.example:443"));
+        assert!(host_allowed(&hosts, "dash.example"));
+        assert!(!host_allowed(&hosts, "127.0.0.1:9999"));
+        assert!(!host_allowed(&hosts, "evil.example:8090"));
+        assert!(!host_allowed(&hosts, ""));
+    }
 
     #[test]
     fn frames_follow_the_event_stream_format() {

@@ -49,6 +49,8 @@ pub struct Snapshot {
     pub schedules: Vec<ScheduleView>,
     /// What could not be read, in words: shown on the page.
     pub errors: Vec<String>,
+    /// How many runs the page keeps (the newest).
+    pub runs_shown: u32,
 }
 
 /// Reads the state through the APIs; a failed read becomes an entry of `errors`.
@@ -71,14 +73,26 @@ pub async fn take(client: &async_nats::Client, server: &str, limits: Limits) -> 
         errors.push(format!("sessions: {e}"));
         Vec::new()
     });
-    let runs = runs.unwrap_or_else(|e| {
-        errors.push(format!("runs: {e}"));
-        Vec::new()
-    });
-    let schedules = schedules.unwrap_or_else(|e| {
-        errors.push(format!("schedules: {e}"));
-        Vec::new()
-    });
+    let runs = match runs {
+        Ok((runs, failed)) => {
+            errors.extend(failed);
+            runs
+        }
+        Err(e) => {
+            errors.push(format!("runs: {e}"));
+            Vec::new()
+        }
+    };
+    let schedules = match schedules {
+        Ok((schedules, failed)) => {
+            errors.extend(failed);
+            schedules
+        }
+        Err(e) => {
+            errors.push(format!("schedules: {e}"));
+            Vec::new()
+        }
+    };
     Snapshot {
         taken_at: chrono::Utc::now(),
         server: server.to_string(),
@@ -87,6 +101,7 @@ pub async fn take(client: &async_nats::Client, server: &str, limits: Limits) -> 
         runs,
         schedules,
         errors,
+        runs_shown: limits.runs,
     }
 }
 
@@ -97,8 +112,12 @@ fn first(limit: u32) -> PageRequest {
     }
 }
 
-/// The newest runs, each with its tree (read concurrently).
-async fn runs(client: &async_nats::Client, limit: u32) -> Result<Vec<RunView>, api::ApiError> {
+/// The newest runs, each with its tree (read concurrently), and the trees that could not be
+/// read.
+async fn runs(
+    client: &async_nats::Client,
+    limit: u32,
+) -> Result<(Vec<RunView>, Vec<String>), api::ApiError> {
     let page: Page<RunRecord> = api::call(
         client,
         subj::RUNS_LIST,
@@ -113,26 +132,30 @@ async fn runs(client: &async_nats::Client, limit: u32) -> Result<Vec<RunView>, a
     let trees = futures::future::join_all(page.items.iter().map(|r| {
         let req = ExecRef { id: (&r.id).into() };
         let subject = subject.clone();
-        async move {
-            api::call::<_, TreeNode>(client, &subject, &req, CALL)
-                .await
-                .ok()
-        }
+        async move { api::call::<_, TreeNode>(client, &subject, &req, CALL).await }
     }))
     .await;
-    Ok(page
+    let mut failed = Vec::new();
+    let runs = page
         .items
         .into_iter()
         .zip(trees)
-        .map(|(run, tree)| RunView { run, tree })
-        .collect())
+        .map(|(run, tree)| {
+            let tree = tree
+                .map_err(|e| failed.push(format!("the tree of {}: {e}", run.id)))
+                .ok();
+            RunView { run, tree }
+        })
+        .collect();
+    Ok((runs, failed))
 }
 
-/// The schedules, each with its next fire times and recent slots.
+/// The schedules, each with its next fire times and recent slots (a schedule whose view
+/// could not be read is shown without them, and the failure said).
 async fn schedules(
     client: &async_nats::Client,
     limit: u32,
-) -> Result<Vec<ScheduleView>, api::ApiError> {
+) -> Result<(Vec<ScheduleView>, Vec<String>), api::ApiError> {
     let page: Page<ScheduleRecord> = api::call(
         client,
         subj::SCHEDULES_LIST,
@@ -152,15 +175,48 @@ async fn schedules(
             }),
         )
         .await;
-    Ok(views.into_iter().filter_map(Result::ok).collect())
+    let mut failed = Vec::new();
+    let views = page
+        .items
+        .into_iter()
+        .zip(views)
+        .map(|(schedule, view)| {
+            view.unwrap_or_else(|e| {
+                failed.push(format!("schedule {}: {e}", schedule.spec.name));
+                ScheduleView {
+                    schedule,
+                    next: Vec::new(),
+                    slots: Vec::new(),
+                }
+            })
+        })
+        .collect();
+    Ok((views, failed))
 }
 
-/// Removes every `token` field, at any depth: the page never shows a secret, whatever a
-/// record carries now or later.
+/// Fields the page never shows, removed at any depth before anything is sent: secrets
+/// (`token`, whatever a record carries now or later), and what agents were told or printed
+/// (a step's `work` with its command, input or prompt; a session's `launch`; a run's
+/// `messages` and `finalizer`; turn `text`, step `result` and `output`), which the page has
+/// no use for.
+const NOT_SENT: [&str; 9] = [
+    "token",
+    "work",
+    "launch",
+    "messages",
+    "finalizer",
+    "text",
+    "result",
+    "output",
+    "in_flight",
+];
+
 pub fn redact(value: &mut Value) {
     match value {
         Value::Object(map) => {
-            map.remove("token");
+            for key in NOT_SENT {
+                map.remove(key);
+            }
             map.values_mut().for_each(redact);
         }
         Value::Array(items) => items.iter_mut().for_each(redact),

@@ -5,16 +5,15 @@
 //! a fresh load must show the finished tree from the snapshot alone. Neither the page nor the
 //! snapshot may carry the session's token or the identity's password.
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::ChildStdout;
-use turnstile_tests::{bin_path, free_port, workspace_root};
+use turnstile_tests::{artifact, bin_path, workspace_root};
 
-use crate::health::get;
+use crate::health::{get, get_as};
 use crate::stack::{report, Stack};
 
 /// Debian's Chromium: `TURNSTILE_CHROMIUM`, else `chromium` on the PATH
@@ -33,16 +32,6 @@ fn chromium() -> Result<String> {
         }
     }
     bail!("no Chromium: run scripts/install-chromium.sh (scripts/test.sh does)")
-}
-
-/// Where the screenshot is kept after the test: `target/test-artifacts/`.
-pub(crate) fn artifact(name: &str) -> Result<PathBuf> {
-    let dir = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target"))
-        .join("test-artifacts");
-    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-    Ok(dir.join(name))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -68,37 +57,66 @@ async fn next_line(
 async fn dashboard(stack: &mut Stack, python: &str, chromium: &str) -> Result<()> {
     let s = stack.create_session("watched", None).await?;
     let password = stack.password("observer")?;
-    let port = free_port()?;
+    let scratch = tempfile::tempdir()?;
+    let server_log = scratch.path().join("dashboard.log");
     let mut server = tokio::process::Command::new(bin_path("turnstile")?)
-        .args(["dashboard", "--http", &format!("127.0.0.1:{port}")])
+        .args(["dashboard", "--http", "127.0.0.1:0"])
         .env(
             "TURNSTILE_NATS_URL",
             stack.nats.url_as("observer", &password),
         )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&server_log)?)
         .kill_on_drop(true)
         .spawn()
         .context("start turnstile dashboard")?;
     let mut out = BufReader::new(server.stdout.take().context("no stdout")?).lines();
     let first = next_line(&mut out, "the dashboard's address", 30).await?;
-    let url = format!("http://127.0.0.1:{port}/");
-    ensure!(first.contains(&url), "first line: {first:?}");
     ensure!(
         !first.contains(&password),
         "the address line shows the password"
     );
+    // `dashboard: http://127.0.0.1:PORT/ (NATS ...)`
+    let url = first
+        .split_whitespace()
+        .nth(1)
+        .filter(|u| u.starts_with("http://127.0.0.1:"))
+        .with_context(|| format!("first line: {first:?}"))?
+        .to_string();
+    let port: u16 = url
+        .trim_start_matches("http://127.0.0.1:")
+        .trim_end_matches('/')
+        .parse()
+        .with_context(|| format!("the port in {url}"))?;
+    let r = browse(stack, &s, python, chromium, &url, port, &password, &scratch).await;
+    r.with_context(|| {
+        format!(
+            "dashboard log:\n{}",
+            std::fs::read_to_string(&server_log).unwrap_or_default()
+        )
+    })
+}
 
+#[allow(clippy::too_many_arguments)]
+async fn browse(
+    stack: &Stack,
+    s: &turnstile_shared::SessionId,
+    python: &str,
+    chromium: &str,
+    url: &str,
+    port: u16,
+    password: &str,
+    scratch: &tempfile::TempDir,
+) -> Result<()> {
     let screenshot = artifact("dashboard.png")?;
     let _ = std::fs::remove_file(&screenshot);
-    let scratch = tempfile::tempdir()?;
     let html = scratch.path().join("page.html");
     let browser_log = scratch.path().join("chromium.log");
     let script = workspace_root().join("tests").join("dashboard_browser.py");
     let mut driver = tokio::process::Command::new(python)
         .arg(&script)
-        .args([chromium, url.as_str(), "--step", "build", "--timeout", "60"])
+        .args([chromium, url, "--step", "build", "--timeout", "60"])
         .arg("--screenshot")
         .arg(&screenshot)
         .arg("--html")
@@ -115,12 +133,12 @@ async fn dashboard(stack: &mut Stack, python: &str, chromium: &str) -> Result<()
     let mut lines = BufReader::new(driver.stdout.take().context("no stdout")?).lines();
     let mut seen = Vec::new();
     let result = async {
-        let loaded = next_line(&mut lines, "the page's first snapshot", 90).await?;
+        let loaded = next_line(&mut lines, "the page's first snapshot", 150).await?;
         ensure!(loaded == "loaded", "driver: {loaded}");
         // The page is open before the run exists: everything of it arrives as events.
         let run = stack
             .start_run(
-                &s,
+                s,
                 &["build it\n!step build 3s --scope run\n!sleep 1s"],
                 None,
             )
@@ -128,7 +146,7 @@ async fn dashboard(stack: &mut Stack, python: &str, chromium: &str) -> Result<()
         stdin.write_all(format!("{}\n", run.id).as_bytes()).await?;
         stdin.flush().await?;
         loop {
-            let line = next_line(&mut lines, "the driver's next step", 150).await?;
+            let line = next_line(&mut lines, "the driver's next step", 200).await?;
             seen.push(line.clone());
             if line == "snapshot ok" || line.starts_with("timed out") || line.starts_with("failed")
             {
@@ -144,6 +162,8 @@ async fn dashboard(stack: &mut Stack, python: &str, chromium: &str) -> Result<()
     {
         seen.push(l);
     }
+    // A driver still waiting for a run id stops at the end of its input.
+    drop(stdin);
     let status = tokio::time::timeout(Duration::from_secs(20), driver.wait()).await;
     let mut stderr = String::new();
     if let Some(mut e) = driver.stderr.take() {
@@ -180,21 +200,27 @@ async fn dashboard(stack: &mut Stack, python: &str, chromium: &str) -> Result<()
         png.len()
     );
 
-    // No secret reaches the browser: not in the page, not in the snapshot.
-    let token = stack.session_record(&s).await?.token;
+    // No secret reaches the browser: not in the page, not in the snapshot; and a page that
+    // is not this dashboard's (another host name pointed at it) is refused.
+    let token = stack.session_record(s).await?.token;
     let page = std::fs::read_to_string(&html)?;
-    let (code, snapshot) = get(port, "/snapshot").await?;
-    ensure!(code == 200, "/snapshot: {code}");
+    let (code, snapshot) = get_as(port, &format!("127.0.0.1:{port}"), "/snapshot").await?;
+    ensure!(code == 200, "/snapshot: {code} {snapshot}");
     for (what, body) in [("the page", &page), ("/snapshot", &snapshot)] {
         ensure!(!body.contains(&token), "{what} shows the session's token");
         ensure!(
-            !body.contains(&password),
+            !body.contains(password),
             "{what} shows the observer's password"
         );
+    }
+    for field in ["\"token\"", "\"argv\"", "\"messages\""] {
+        ensure!(!snapshot.contains(field), "/snapshot sends {field}");
     }
     ensure!(
         snapshot.contains(s.as_str()) && snapshot.contains("\"build\""),
         "the snapshot lacks the session or the step: {snapshot}"
     );
+    let (code, body) = get(port, "/snapshot").await?;
+    ensure!(code == 403, "a foreign Host header got {code}: {body}");
     Ok(())
 }

@@ -104,12 +104,21 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
     observer.publish("ts.lane.forged", "x".into()).await?;
     observer.flush().await?;
     refused(&mut observer_errors, "ts.lane.forged").await?;
-    // It may read through the read-only APIs (what `turnstile dashboard` shows) and change
-    // nothing through the others.
+    // It may read through the read-only APIs (what `turnstile dashboard` shows), with replies
+    // to its own inbox only, and change nothing through the others.
+    let reader = async_nats::ConnectOptions::with_user_and_password(
+        "observer".into(),
+        stack.password("observer")?,
+    )
+    .custom_inbox_prefix(subjects::api::inbox(
+        turnstile_shared::permissions::OBSERVER_INBOX,
+    ))
+    .connect(stack.nats.url())
+    .await?;
     let listed: turnstile_shared::page::Page<turnstile_shared::api::SessionView> =
         turnstile_shared::api::call(
-            &observer,
-            turnstile_shared::subjects::api::SESSION_LIST,
+            &reader,
+            subjects::api::SESSION_LIST,
             &turnstile_shared::api::ListSessions::default(),
             crate::stack::API,
         )
@@ -118,15 +127,20 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
         listed.items.iter().any(|v| v.session.name == "watched"),
         "the observer's session list: {listed:?}"
     );
-    observer
-        .publish(turnstile_shared::subjects::api::SESSION_CREATE, "{}".into())
-        .await?;
+    let cancel = subjects::api::exec(subjects::api::OPERATOR, subjects::api::CANCEL);
+    for subject in [
+        subjects::api::SESSION_CREATE,
+        subjects::api::RUNS_START,
+        cancel.as_str(),
+    ] {
+        observer.publish(subject.to_string(), "{}".into()).await?;
+        observer.flush().await?;
+        refused(&mut observer_errors, subject).await?;
+    }
+    // Every other client's replies are not the observer's to read.
+    let _others = observer.subscribe("_INBOX.>").await?;
     observer.flush().await?;
-    refused(
-        &mut observer_errors,
-        turnstile_shared::subjects::api::SESSION_CREATE,
-    )
-    .await?;
+    refused(&mut observer_errors, "_INBOX.>").await?;
     // Through the connection every service makes, a refusal is logged as an error and counted.
     let before = permission_refusals();
     let service_way = connect_once(

@@ -12,10 +12,21 @@ use crate::stack::{report, Stack};
 
 /// `GET path` on 127.0.0.1:`port`: the status code and the body.
 pub(crate) async fn get(port: u16, path: &str) -> Result<(u16, String)> {
+    get_as(port, "t", path).await
+}
+
+/// `GET path` on 127.0.0.1:`port` with `host` as the `Host` header (within 20 s).
+pub(crate) async fn get_as(port: u16, host: &str, path: &str) -> Result<(u16, String)> {
+    tokio::time::timeout(Duration::from_secs(20), request(port, host, path))
+        .await
+        .with_context(|| format!("GET {path} on port {port} took over 20 s"))?
+}
+
+async fn request(port: u16, host: &str, path: &str) -> Result<(u16, String)> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     stream
         .write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes(),
+            format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
         )
         .await?;
     let mut raw = String::new();

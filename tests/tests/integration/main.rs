@@ -20,6 +20,7 @@ mod hosts;
 mod house;
 mod kv;
 mod lanes;
+mod lifecycle;
 mod mcp;
 mod metrics;
 mod provision;

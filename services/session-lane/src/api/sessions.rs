@@ -416,7 +416,13 @@ async fn view(
                     in_flight_turn(ctx, &stream, &record.id, info.delivered.stream_sequence).await;
             }
         }
-        pending = completion_backlog(ctx, &record.id).await?;
+        // Best effort, like the lane's figures above: a list still answers without it.
+        pending = completion_backlog(ctx, &record.id)
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(session = %record.id, error = %e, "count pending completions");
+                0
+            });
     }
     Ok(SessionView {
         session: record.redacted(),

@@ -1,6 +1,6 @@
 //! A run's lifecycle events (`run.started`, `run.round`, `run.completed`, `run.failed`), each
-//! de-duplicated by the run (and, for a round, its turn), so a resumed run never shows one
-//! twice.
+//! de-duplicated by the run and its attempt (and, for a round, its turn), so a resumed run
+//! never shows one twice and a retried one shows its new attempt.
 
 use serde_json::json;
 use turnstile_shared::events::{self, session_event, EventKind};
@@ -16,6 +16,8 @@ pub(super) async fn event(ctx: &Ctx, run: &RunRecord, k: EventKind, data: serde_
             EventKind::RunRound => {
                 format!("{}:{k}:{}", run.id, data["turn"].as_str().unwrap_or(""))
             }
+            // A retried run's attempt starts and ends again: its events are new ones.
+            _ if run.attempt > 0 => format!("{}:{k}:a{}", run.id, run.attempt),
             _ => format!("{}:{k}", run.id),
         };
         e.with_id(id)
