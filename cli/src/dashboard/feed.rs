@@ -18,6 +18,7 @@ use serde_json::Value;
 use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, SessionRef, SessionView};
+use turnstile_shared::events::EventKind;
 use turnstile_shared::schedules::{ScheduleRef, ScheduleView};
 use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::SessionId;
@@ -155,36 +156,46 @@ fn clean(payload: &[u8], recent: &mut Recent) -> Option<(Arc<str>, Option<Stale>
         }
     }
     super::snapshot::redact(&mut value);
-    let kind = value["type"].as_str().unwrap_or_default();
-    let changed = if kind.starts_with("slot.")
-        || matches!(
-            kind,
-            "schedule.added" | "schedule.paused" | "schedule.resumed"
-        ) {
-        value["data"]["schedule"]
+    let changed = value["type"]
+        .as_str()
+        .and_then(|k| k.parse::<EventKind>().ok())
+        .and_then(|k| stale_after(k, &value));
+    Some((Arc::from(value.to_string()), changed))
+}
+
+/// What an event of kind `k` makes stale: its schedule (next fires, slots), or its session
+/// (the lane's busy and queue, pending completions).
+fn stale_after(k: EventKind, event: &Value) -> Option<Stale> {
+    use EventKind as K;
+    match k {
+        K::SlotFired
+        | K::SlotSkipped
+        | K::SlotMissed
+        | K::ScheduleAdded
+        | K::SchedulePaused
+        | K::ScheduleResumed => event["data"]["schedule"]
             .as_str()
-            .map(|s| Stale::Schedule(s.to_string()))
-    } else if kind.starts_with("turn.")
-        || kind.starts_with("delivery.")
-        || kind.starts_with("session.")
-        || matches!(
-            kind,
-            "run.queued"
-                | "run.started"
-                | "run.completed"
-                | "run.failed"
-                | "run.retried"
-                | "completion.routed"
-        )
-    {
-        value["session"]
+            .map(|s| Stale::Schedule(s.to_string())),
+        K::SessionCreated
+        | K::SessionStopped
+        | K::TurnQueued
+        | K::TurnStarted
+        | K::TurnCompleted
+        | K::TurnFailed
+        | K::DeliveryQueued
+        | K::DeliveryCompleted
+        | K::DeliveryFailed
+        | K::CompletionRouted
+        | K::RunQueued
+        | K::RunStarted
+        | K::RunCompleted
+        | K::RunFailed
+        | K::RunRetried => event["session"]
             .as_str()
             .and_then(|s| s.parse().ok())
-            .map(Stale::Session)
-    } else {
-        None
-    };
-    Some((Arc::from(value.to_string()), changed))
+            .map(Stale::Session),
+        _ => None,
+    }
 }
 
 /// Reads what events made stale, in batches gathered over [`REFRESH_DEBOUNCE`], and sends it

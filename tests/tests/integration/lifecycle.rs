@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use turnstile_shared::subjects;
 
 use crate::stack::{report, Stack};
@@ -137,6 +137,28 @@ async fn busy(stack: &mut Stack) -> Result<()> {
     let busy = stack.send(&s, "!sleep 20s").await?;
     stack.wait_running(&busy).await?;
     stack.send(&s, "never typed").await?;
+    // A run cancelled while it waits on the lane ends at once, and says so.
+    let waiting = stack.start_run(&s, &["never run"], None).await?;
+    let _: serde_json::Value = api::call(
+        &stack.client,
+        subj::RUNS_CANCEL,
+        &RunRef {
+            run: waiting.id.clone(),
+        },
+        crate::stack::API,
+    )
+    .await?;
+    let ended = stack
+        .events()
+        .await?
+        .into_iter()
+        .find(|e| e.kind == "run.failed" && e.data["run"] == waiting.id.as_str())
+        .context("no run.failed for the run cancelled while queued")?;
+    ensure!(
+        ended.data["state"]["reason"] == "cancelled",
+        "cancelled while queued: {}",
+        ended.data
+    );
     let _: serde_json::Value = api::call(
         &stack.client,
         subj::SESSION_STOP,

@@ -154,6 +154,14 @@ pub(super) async fn cancel_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, 
         .await
         .map_err(ApiError::from)?
         .ok_or_else(|| ApiError::not_found(format!("no run {}", req.run)))?;
+    // A queued run ends here, not in a run loop: its end is said here too (the lane acks its
+    // item without a word when it reaches it).
+    let ended_now = rec.cancel.as_ref().is_some_and(|c| c.at == now)
+        && matches!(rec.state, RunState::Failed { .. });
+    if ended_now {
+        let data = json!({ "state": rec.state, "rounds": rec.rounds() });
+        crate::lane::run_event(&ctx, &rec, EventKind::RunFailed, data).await;
+    }
     if let Err(e) = ctx
         .client
         .publish(subjects::run_cancel(&req.run), "cancel".into())

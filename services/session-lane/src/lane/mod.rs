@@ -13,6 +13,7 @@ mod run;
 mod turn;
 
 pub(crate) use pull::PullHub;
+pub(crate) use run::run_event;
 
 use std::future::Future;
 use std::pin::Pin;

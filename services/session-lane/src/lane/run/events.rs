@@ -8,7 +8,7 @@ use turnstile_shared::runs::RunRecord;
 
 use crate::ctx::Ctx;
 
-pub(super) async fn event(ctx: &Ctx, run: &RunRecord, k: EventKind, data: serde_json::Value) {
+pub(crate) async fn event(ctx: &Ctx, run: &RunRecord, k: EventKind, data: serde_json::Value) {
     let mut data = data;
     data["run"] = json!(run.id);
     let ev = session_event(k, &run.session, None, &data).map(|e| {

@@ -12,6 +12,8 @@
 
 mod driver;
 mod events;
+
+pub(crate) use events::event as run_event;
 mod wait;
 
 use std::time::Duration;
