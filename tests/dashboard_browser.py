@@ -7,14 +7,15 @@ by a NUL byte), so nothing beyond the Python standard library is needed.
 The test and this script take turns over stdin/stdout, one line each:
   1. the script loads the page and waits for the first snapshot, then prints `loaded`;
   2. the test starts a run and writes its id; the script waits until the run's tree shows the
-     step named by --step running, prints `step running`, then waits (same page, no reload)
-     until it shows it completed and the run completed, checks that the page took one
-     snapshot only, saves a screenshot and prints `step completed`;
+     step named by --step running and the session (--session) busy, prints `step running`,
+     then waits (same page, no reload) until it shows the step and the run completed and the
+     session idle, checks that the page took one snapshot only, saves a screenshot and prints
+     `step completed`;
   3. it loads the page again and checks that the snapshot alone shows the completed tree,
      prints `snapshot ok`, writes the page's HTML to --html and exits 0.
 Any wait that runs out prints what the page showed and exits 1.
 
-usage: dashboard_browser.py CHROMIUM URL --step NAME --screenshot PNG --html FILE
+usage: dashboard_browser.py CHROMIUM URL --step NAME --session ID --screenshot PNG --html FILE
 """
 
 import argparse
@@ -140,14 +141,16 @@ class Browser:
         self.profile.cleanup()
 
 
-def state_js(run, step):
+def state_js(run, step, session):
     return (
         "(() => {"
         f" const r = document.querySelector('[data-run=\"{run}\"]');"
         f" const s = r ? r.querySelector('li.node[data-kind=\"step\"][data-name=\"{step}\"]') : null;"
+        f" const l = document.querySelector('tr[data-session=\"{session}\"]');"
         " return { snapshots: document.body.dataset.snapshots, stream: document.body.dataset.stream,"
         "   probe: window.__turnstileProbe || null, run: r ? r.dataset.status : null,"
-        "   step: s ? s.dataset.status : null, tree: r ? r.innerText : null }; })()"
+        "   step: s ? s.dataset.status : null, lane: l ? l.dataset.lane : null,"
+        "   tree: r ? r.innerText : null }; })()"
     )
 
 
@@ -174,6 +177,7 @@ def main():
     ap.add_argument("chromium")
     ap.add_argument("url")
     ap.add_argument("--step", required=True)
+    ap.add_argument("--session", required=True)
     ap.add_argument("--screenshot", required=True)
     ap.add_argument("--html", required=True)
     ap.add_argument("--timeout", type=float, default=60.0)
@@ -208,14 +212,22 @@ def run(browser, args):
     if not run_id:
         print("failed: no run id on stdin", flush=True)
         sys.exit(1)
-    js = state_js(run_id, args.step)
-    wait(browser, f"step {args.step} running", js, lambda s: s["step"] == "running", args.timeout)
+    js = state_js(run_id, args.step, args.session)
+    # The run holds the lane while its step runs (R5): the session shows busy, read off the
+    # lane and sent when the run's events came.
+    wait(
+        browser,
+        f"step {args.step} running on a busy session",
+        js,
+        lambda s: s["step"] == "running" and s["lane"] == "busy",
+        args.timeout,
+    )
     print("step running", flush=True)
     final = wait(
         browser,
-        f"step {args.step} and the run completed",
+        f"step {args.step} and the run completed, the session idle",
         js,
-        lambda s: s["step"] == "completed" and s["run"] == "completed",
+        lambda s: s["step"] == "completed" and s["run"] == "completed" and s["lane"] == "idle",
         args.timeout,
     )
     if final["snapshots"] != "1" or final["probe"] != "same page":

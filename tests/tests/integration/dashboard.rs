@@ -1,7 +1,8 @@
 //! `turnstile dashboard` in a real browser: Debian's Chromium, headless, driven over the
 //! DevTools protocol by `tests/dashboard_browser.py`, loads the page served with the read-only
 //! observer identity before a run starts. The run's tree must appear and its step must go from
-//! running to completed on the same page (one snapshot, no reload), a screenshot is saved, and
+//! running to completed on the same page (one snapshot, no reload) while the session shows busy
+//! and then idle (read off the lane when events say it changed), a screenshot is saved, and
 //! a fresh load must show the finished tree from the snapshot alone. Neither the page nor the
 //! snapshot may carry the session's token or the identity's password.
 
@@ -117,6 +118,7 @@ async fn browse(
     let mut driver = tokio::process::Command::new(python)
         .arg(&script)
         .args([chromium, url, "--step", "build", "--timeout", "60"])
+        .args(["--session", s.as_str()])
         .arg("--screenshot")
         .arg(&screenshot)
         .arg("--html")
