@@ -219,8 +219,16 @@ pub fn check_stack(stack: &Stack) -> Result<()> {
             tokio::time::timeout(Duration::from_secs(20), stack.stored_events()).await
         })
     });
-    let Ok(Ok(stored)) = stored else {
-        return Ok(());
+    let stored = match stored {
+        Ok(Ok(stored)) => stored,
+        Ok(Err(e)) => {
+            eprintln!("asyncapi: this test's events could not be read ({e:#}); not checked");
+            return Ok(());
+        }
+        Err(_) => {
+            eprintln!("asyncapi: this test's events took over 20 s to read; not checked");
+            return Ok(());
+        }
     };
     check_all(stored).map(|_| ())
 }
