@@ -98,8 +98,7 @@ fn seconds() -> Histogram {
 
 impl Metrics {
     fn new() -> Self {
-        let mut r = Registry::default();
-        let m = Self {
+        let mut m = Self {
             lane_queue_depth: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
             turns_started: Family::default(),
             turns_ended: Family::default(),
@@ -117,6 +116,7 @@ impl Metrics {
             auth_refusals: Family::default(),
             registry: Registry::default(),
         };
+        let r = &mut m.registry;
         r.register(
             "turnstile_lane_queue_depth",
             "Items waiting on a lane behind the one it takes, observed at each take",
@@ -192,7 +192,7 @@ impl Metrics {
             "Calls refused for their credentials, by API",
             m.auth_refusals.clone(),
         );
-        Self { registry: r, ..m }
+        m
     }
 
     /// The exposition of every family (OpenMetrics text).

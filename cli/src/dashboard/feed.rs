@@ -232,24 +232,29 @@ async fn refresh(
 async fn read(client: &async_nats::Client, stale: Stale) -> Option<Feed> {
     match stale {
         Stale::Session(session) => {
-            let req = SessionRef { session };
-            match api::call::<_, SessionView>(client, subj::SESSION_SHOW, &req, CALL).await {
-                Ok(view) => frame(&view).map(Feed::Session),
-                Err(e) => {
-                    tracing::debug!(session = %req.session, error = %e, "refresh session");
-                    None
-                }
-            }
+            show::<_, SessionView>(client, subj::SESSION_SHOW, &SessionRef { session })
+                .await
+                .map(Feed::Session)
         }
         Stale::Schedule(name) => {
-            let req = ScheduleRef { name };
-            match api::call::<_, ScheduleView>(client, subj::SCHEDULES_SHOW, &req, CALL).await {
-                Ok(view) => frame(&view).map(Feed::Schedule),
-                Err(e) => {
-                    tracing::debug!(schedule = %req.name, error = %e, "refresh schedule");
-                    None
-                }
-            }
+            show::<_, ScheduleView>(client, subj::SCHEDULES_SHOW, &ScheduleRef { name })
+                .await
+                .map(Feed::Schedule)
+        }
+    }
+}
+
+/// A `show` API's answer, as the frame the page gets.
+async fn show<Req: serde::Serialize, View: serde::de::DeserializeOwned + serde::Serialize>(
+    client: &async_nats::Client,
+    subject: &str,
+    req: &Req,
+) -> Option<Arc<str>> {
+    match api::call::<_, View>(client, subject, req, CALL).await {
+        Ok(view) => frame(&view),
+        Err(e) => {
+            tracing::debug!(subject, error = %e, "refresh");
+            None
         }
     }
 }

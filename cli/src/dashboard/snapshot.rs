@@ -65,34 +65,14 @@ pub async fn take(client: &async_nats::Client, server: &str, limits: Limits) -> 
         runs(client, limits.runs),
         schedules(client, limits.schedules),
     );
-    let hosts = hosts.unwrap_or_else(|e| {
-        errors.push(format!("hosts: {e}"));
-        Vec::new()
-    });
-    let sessions = sessions.map(|p| p.items).unwrap_or_else(|e| {
-        errors.push(format!("sessions: {e}"));
-        Vec::new()
-    });
-    let runs = match runs {
-        Ok((runs, failed)) => {
-            errors.extend(failed);
-            runs
-        }
-        Err(e) => {
-            errors.push(format!("runs: {e}"));
-            Vec::new()
-        }
-    };
-    let schedules = match schedules {
-        Ok((schedules, failed)) => {
-            errors.extend(failed);
-            schedules
-        }
-        Err(e) => {
-            errors.push(format!("schedules: {e}"));
-            Vec::new()
-        }
-    };
+    let hosts = kept(hosts.map(|h| (h, Vec::new())), "hosts", &mut errors);
+    let sessions = kept(
+        sessions.map(|p| (p.items, Vec::new())),
+        "sessions",
+        &mut errors,
+    );
+    let runs = kept(runs, "runs", &mut errors);
+    let schedules = kept(schedules, "schedules", &mut errors);
     Snapshot {
         taken_at: chrono::Utc::now(),
         server: server.to_string(),
@@ -102,6 +82,25 @@ pub async fn take(client: &async_nats::Client, server: &str, limits: Limits) -> 
         schedules,
         errors,
         runs_shown: limits.runs,
+    }
+}
+
+/// What a read gave, its partial failures and its failure noted in `errors` (an empty list
+/// when it failed).
+fn kept<T>(
+    read: Result<(Vec<T>, Vec<String>), api::ApiError>,
+    what: &str,
+    errors: &mut Vec<String>,
+) -> Vec<T> {
+    match read {
+        Ok((items, failed)) => {
+            errors.extend(failed);
+            items
+        }
+        Err(e) => {
+            errors.push(format!("{what}: {e}"));
+            Vec::new()
+        }
     }
 }
 

@@ -397,8 +397,6 @@ pub(crate) async fn start_run(
     Ok(api::call(&ctx.client, subjects::api::RUNS_START, &req, API).await?)
 }
 
-/// Creates the slot's record (the claim) and emits `slot.<outcome>`; returns the record that
-/// stands, which is an earlier one if the slot was decided before.
 /// `turnstile_slots` and `turnstile_fire_drift_seconds`, by the claim that decided the slot.
 fn observe_slot(outcome: &SlotOutcome) {
     use turnstile_shared::metrics::{metrics, SlotLabel};
@@ -419,6 +417,8 @@ fn observe_slot(outcome: &SlotOutcome) {
     }
 }
 
+/// Creates the slot's record (the claim) and emits `slot.<outcome>`; returns the record that
+/// stands, which is an earlier one if the slot was decided before.
 async fn record(
     ctx: &Ctx,
     schedule: &str,

@@ -1,6 +1,7 @@
 //! The shipped examples, run against a live stack: `examples/follow_session.py` (the NATS
 //! Python client on the observer's identity) follows a session through a run whose turn
-//! starts a step, and prints the run, its turns and the step as they happen.
+//! starts a step, and prints the run, its turns (each started and completed) and the step as
+//! they happen.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -81,14 +82,17 @@ async fn follow(stack: &mut Stack, python: &str) -> Result<()> {
             "no {want:?} in the follower's output:\n{text}"
         );
     }
-    // The run's own turn, and the round that handed the step's result back to the agent.
-    ensure!(
-        out.iter()
-            .filter(|l| l.contains(" turn trn_") && l.ends_with(" started"))
-            .count()
-            >= 2,
-        "two turns of the run started:\n{text}"
-    );
+    // The run's own turn, and the round that handed the step's result back to the agent:
+    // each starts and completes (a run's turns end with an event of their own).
+    for what in [" started", " completed"] {
+        ensure!(
+            out.iter()
+                .filter(|l| l.contains(" turn trn_") && l.ends_with(what))
+                .count()
+                >= 2,
+            "two turns of the run{what}:\n{text}"
+        );
+    }
     ensure!(
         out.iter()
             .any(|l| l.contains(" step ") && l.contains(" running build")),

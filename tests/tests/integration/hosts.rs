@@ -265,6 +265,9 @@ async fn plat_067(stack: &mut Stack, fail_resume: Option<&std::path::Path>) -> R
         crate::stack::completion_backlog(stack, &s).await? >= 1,
         "the step's completion is still pending"
     );
+    // And the session says so (R3): what operators and the dashboard read.
+    let view = stack.show(&s).await?;
+    ensure!(view.pending >= 1, "session show: {} pending", view.pending);
     // The terminal can come back: a retry continues the run and hands the result over.
     std::fs::remove_file(flag)?;
     let _: turnstile_shared::runs::RunRecord = turnstile_shared::api::call(

@@ -22,10 +22,8 @@ async fn every_event_of_a_busy_stack_is_described_by_the_asyncapi_document() -> 
 
 async fn busy(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::api;
-    use turnstile_shared::principal::Principal;
     use turnstile_shared::runs::{RunLimits, RunRef, RunState};
     use turnstile_shared::schedules::{PauseSchedule, ScheduleRef};
-    use turnstile_shared::step_api::{Report, StepReport};
     use turnstile_shared::subjects::api as subj;
     use turnstile_shared::StepId;
 
@@ -121,18 +119,8 @@ async fn busy(stack: &mut Stack) -> Result<()> {
         )
         .await?
         .await?;
-    let step = StepId::new();
-    let _ = api::call::<_, serde_json::Value>(
-        &stack.client,
-        &Principal::Step(step.clone()).steps(subj::REPORT),
-        &StepReport {
-            step,
-            token: "not-a-token".into(),
-            report: Report::Heartbeat,
-        },
-        crate::stack::API,
-    )
-    .await;
+    let refused = stack.report_with_a_wrong_token().await;
+    ensure!(refused.is_err(), "a report without a step was accepted");
     // A stop with a turn running and one queued (turn.failed, session.stopped).
     let busy = stack.send(&s, "!sleep 20s").await?;
     stack.wait_running(&busy).await?;

@@ -7,14 +7,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
-use turnstile_shared::api;
-use turnstile_shared::principal::Principal;
-use turnstile_shared::step_api::{Report, ReportAck, StepReport};
-use turnstile_shared::subjects::api as subj;
-use turnstile_shared::StepId;
 
 use crate::health::get;
-use crate::stack::{report, schedule, Stack, API};
+use crate::stack::{report, schedule, Stack};
 
 /// One sample: its labels (`name="value"` pairs) and value.
 type Samples = HashMap<String, Vec<(Vec<(String, String)>, f64)>>;
@@ -132,18 +127,7 @@ async fn metrics(stack: &mut Stack) -> Result<()> {
         .wait_slots("metrics-tick", 1, Duration::from_secs(30))
         .await?;
     // A report with credentials for no step: refused, and counted.
-    let step = StepId::new();
-    let refused: Result<ReportAck, _> = api::call(
-        &stack.client,
-        &Principal::Step(step.clone()).steps(subj::REPORT),
-        &StepReport {
-            step,
-            token: "not-a-token".into(),
-            report: Report::Heartbeat,
-        },
-        API,
-    )
-    .await;
+    let refused = stack.report_with_a_wrong_token().await;
     ensure!(refused.is_err(), "a report without a step was accepted");
 
     let mut missing = Vec::new();

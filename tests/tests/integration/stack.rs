@@ -1196,3 +1196,25 @@ impl Stack {
         .with_context(|| format!("run {run} never reached the awaited state"))?
     }
 }
+
+impl Stack {
+    /// A step report with credentials for no step: the broker must refuse it (and count and
+    /// announce the refusal, `auth.refused`). Returns what the call answered.
+    pub async fn report_with_a_wrong_token(
+        &self,
+    ) -> Result<turnstile_shared::step_api::ReportAck, api::ApiError> {
+        use turnstile_shared::step_api::{Report, StepReport};
+        let step = turnstile_shared::StepId::new();
+        api::call(
+            &self.client,
+            &Principal::Step(step.clone()).steps(subj::REPORT),
+            &StepReport {
+                step,
+                token: "not-a-token".into(),
+                report: Report::Heartbeat,
+            },
+            API,
+        )
+        .await
+    }
+}

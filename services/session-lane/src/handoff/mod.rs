@@ -2,7 +2,8 @@
 //! `lane/` use them; nothing here knows the kinds):
 //!
 //! - `item`: give a lane item back, or refuse it to the dead-letter subject (R15);
-//! - `turn`: dispatch a turn, wait for its recorded outcome, finish it (R9, R14);
+//! - `turn`: dispatch a turn, wait for its recorded outcome, tell its end and finish it (R9,
+//!   R14);
 //! - `completions`: collect, check (R8) and settle (R3) the completions a turn carries, and
 //!   the delivery marker's clearing and re-arming.
 
@@ -14,4 +15,4 @@ pub(crate) use completions::{
     collect, collect_expecting, disarm_and_recheck, rearm_if_pending, settle, DeliveryError,
 };
 pub(crate) use item::{reject, release};
-pub(crate) use turn::{dispatch, finish, outcome_event, wait_terminal};
+pub(crate) use turn::{dispatch, finish, outcome_event, tell_end, wait_terminal};

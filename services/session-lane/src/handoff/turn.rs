@@ -207,13 +207,7 @@ pub(crate) async fn finish(
     record: &TurnRecord,
 ) {
     observe_end(record);
-    let event = match outcome_event(record) {
-        Ok(ev) => Some(ev),
-        Err(e) => {
-            tracing::error!(turn = %record.id, error = %e, "build outcome event");
-            None
-        }
-    };
+    let event = end_event(record);
     // The event is sent before the ack (so readers see it before the next turn starts) and its
     // acknowledgement awaited after, keeping the hand-off to one round trip.
     let sent = match &event {
@@ -232,6 +226,26 @@ pub(crate) async fn finish(
         tracing::warn!(turn = %record.id, error = %e, "outcome event; retrying");
         tokio::spawn(republish(ctx.js.clone(), ev));
     }
+}
+
+/// Tells a turn's end without freeing the lane: a run's turn, whose lane item the run holds
+/// on. Its metrics and its outcome event, the same as [`finish`] gives a lane's own turn (a
+/// repeat after a resume is dropped by the event's stable id).
+pub(crate) async fn tell_end(ctx: &Ctx, record: &TurnRecord) {
+    observe_end(record);
+    let Some(event) = end_event(record) else {
+        return;
+    };
+    if let Err(e) = events::publish(&ctx.js, &event).await {
+        tracing::warn!(turn = %record.id, error = %e, "outcome event; retrying");
+        tokio::spawn(republish(ctx.js.clone(), event));
+    }
+}
+
+fn end_event(record: &TurnRecord) -> Option<Envelope> {
+    outcome_event(record)
+        .map_err(|e| tracing::error!(turn = %record.id, error = %e, "build outcome event"))
+        .ok()
 }
 
 /// How an outcome event whose publish failed is retried (its stable id makes a repeat harmless).

@@ -21,7 +21,7 @@ use turnstile_shared::{DeliveryId, ExecutionId, TurnId};
 
 use super::events::event;
 use crate::ctx::Ctx;
-use crate::handoff::{dispatch, settle, wait_terminal, DeliveryError};
+use crate::handoff::{dispatch, settle, tell_end, wait_terminal, DeliveryError};
 use turnstile_shared::metrics::item_kind;
 
 /// How long a call to the broker's exec API may take.
@@ -138,6 +138,7 @@ impl Driver<'_> {
                 return Ok(Step::Cancelled);
             };
             settle(self.ctx, self.session, &record, &this_round).await;
+            tell_end(self.ctx, &record).await;
             if let TurnState::Failed { reason, detail, .. } = &record.state {
                 // The run ends with its turn's reason (e.g. parent_transport_unavailable, R9).
                 let why = format!("turn {} failed: {detail}", record.id);
