@@ -116,6 +116,20 @@ print(f"test-compose: {len(streams)} streams and buckets, three copies each")
 PY
 
 cli() { compose run --rm -T cli "$@"; }
+# A read the stage needs an answer to, retried for up to 120 s: after a partition heals or a
+# restart, a node can answer "no stream found" until it has caught up with the cluster (seen
+# for about 50 s), and one timed-out request must not decide the stage.
+cli_read() {
+  local deadline=$((SECONDS + 120)) out
+  until out="$(cli "$@")"; do
+    if [ "$SECONDS" -gt "$deadline" ]; then
+      echo "test-compose: \`turnstile $*\` did not answer within 120 s" >&2
+      return 1
+    fi
+    sleep 2
+  done
+  printf '%s\n' "$out"
+}
 stage="a scheduled run completes"
 session="$(cli session create --agent mock --name compose-demo | tr -d '\r')"
 echo "test-compose: session $session"
@@ -529,7 +543,7 @@ if host_b_transcripts | grep -q -- "- pstep \["; then
   exit 1
 fi
 echo "test-compose: step pstep completed while its session is busy: its completion is pending"
-runs_before="$(cli run list --limit 1000 --json | tr -d '\r')"
+runs_before="$(cli_read run list --limit 1000 --json | tr -d '\r')"
 compose down >/dev/null 2>&1
 up_at="$(date -u +%Y-%m-%dT%H:%M:%S)"
 compose up -d --no-build >/dev/null 2>&1
@@ -541,18 +555,18 @@ until [ "$(compose ps -q | xargs docker inspect -f '{{if .State.Health}}{{.State
   fi
   sleep 2
 done
-sessions="$(cli session list)"
+sessions="$(cli_read session list)"
 for s in "$session" "$inside" "$other" "$pending"; do
   if ! printf '%s\n' "$sessions" | grep -q "$s"; then
     echo "test-compose: session $s is gone after down/up" >&2
     exit 1
   fi
 done
-cli schedule show compose-every-5s >/dev/null
+cli_read schedule show compose-every-5s >/dev/null
 # Every run recorded before `down` is still recorded, and every run that had ended has the
 # same outcome.
 printf '%s' "$runs_before" > "$work/runs-before.json"
-cli run list --limit 1000 --json | tr -d '\r' > "$work/runs-after.json"
+cli_read run list --limit 1000 --json | tr -d '\r' > "$work/runs-after.json"
 python3 - "$work/runs-before.json" "$work/runs-after.json" <<'PY'
 import json, sys
 before = {r["id"]: r for r in json.load(open(sys.argv[1]))["items"]}
