@@ -209,6 +209,12 @@ pub struct TurnCommand {
     pub session: SessionId,
     pub turn: TurnId,
     pub text: String,
+    /// A delivery turn's carried completions. The lane writes the turn's record and sends
+    /// this command at once; a transport that finds no record yet creates it from the
+    /// command, so either writer records the same carried list before the text is typed
+    /// (R14).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<Carried>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

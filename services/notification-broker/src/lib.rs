@@ -75,6 +75,8 @@ pub(crate) struct Ctx {
     pub js: async_nats::jetstream::Context,
     pub buckets: Buckets,
     pub topology: TopologyConfig,
+    /// Ends this replica's report handler is recording itself (see `ended`).
+    pub inline: ended::Inline,
     parent_locks: std::sync::Mutex<HashMap<ExecutionId, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -111,6 +113,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         js,
         buckets,
         topology: config.topology.clone(),
+        inline: Default::default(),
         parent_locks: Default::default(),
     });
     tracing::info!(replica = %config.replica, "notification-broker running");

@@ -306,7 +306,9 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
                 session: cmd.session.clone(),
                 text: cmd.text.clone(),
                 queued_at: Utc::now(),
-                delivery: None,
+                // A delivery's command overtook the lane's write of its record: this is
+                // the record the lane writes (same carried list), whichever lands first.
+                delivery: cmd.delivery.clone(),
                 parent: None,
                 state: TurnState::Queued,
             };
@@ -356,7 +358,7 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
                 Adopted::NotTyped => {
                     tracing::info!(turn = %cmd.turn, "re-adopted turn was never typed; typing it now");
                     adapter
-                        .run_turn(&spec, &cmd.text, *mark, ctx.config.turn_timeout)
+                        .run_turn(&spec, &record.text, *mark, ctx.config.turn_timeout)
                         .await
                 }
             }
@@ -387,7 +389,7 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
             };
             written = Some((running, rev));
             adapter
-                .run_turn(&spec, &cmd.text, mark, ctx.config.turn_timeout)
+                .run_turn(&spec, &record.text, mark, ctx.config.turn_timeout)
                 .await
         }
     };

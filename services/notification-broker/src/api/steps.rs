@@ -291,10 +291,7 @@ pub(super) async fn report(
                 },
                 known: Some(KnownRecord { revision, record }),
             };
-            registry::publish_end(&ctx, &ended)
-                .await
-                .map_err(ApiError::internal)?;
-            Ok(ack(&ended.status))
+            end_now(&ctx, ended).await
         }
         Report::Failed { reason, result } => {
             let ended = Ended {
@@ -307,12 +304,23 @@ pub(super) async fn report(
                 },
                 known: Some(KnownRecord { revision, record }),
             };
-            registry::publish_end(&ctx, &ended)
-                .await
-                .map_err(ApiError::internal)?;
-            Ok(ack(&ended.status))
+            end_now(&ctx, ended).await
         }
     }
+}
+
+/// Stores the reported end on the ended queue (durable: the worker may stop reporting once
+/// acked), then records and routes it at once on this replica; the queued message is the
+/// backstop if that fails or this replica dies (`ended::Inline`).
+async fn end_now(ctx: &Arc<Ctx>, ended: Ended) -> Result<ReportAck, ApiError> {
+    let attempt = ctx.inline.announce(&ended.execution);
+    if let Err(e) = registry::publish_end(ctx, &ended).await {
+        attempt.cancel(ctx);
+        return Err(ApiError::internal(e));
+    }
+    let reply = ack(&ended.status);
+    attempt.start(ctx, ended);
+    Ok(reply)
 }
 
 fn ack(status: &ExecStatus) -> ReportAck {

@@ -249,17 +249,32 @@ pub(crate) async fn settle(
     // A failed hand-over leaves its completions pending (R3); the session's next turn end
     // arms a delivery for them again.
     ctx.mark_left_pending(&session.id, !completed);
+    // The recorded list is what was typed. A held message it does not name (the record was
+    // written from an earlier attempt's command, with another batch) stays pending.
+    let (held, extra): (Vec<_>, Vec<_>) = held.iter().partition(|h| {
+        h.info().is_ok_and(|i| {
+            carried
+                .completions
+                .iter()
+                .any(|c| c.seq == i.stream_sequence)
+        })
+    });
+    for h in extra {
+        let _ = h.ack_with(AckKind::Nak(None)).await;
+    }
     if completed {
-        if held.is_empty() {
-            remove_by_seq(ctx, carried).await;
-        } else {
-            for h in held {
-                if let Err(e) = h.double_ack().await {
-                    tracing::warn!(session = %session.id, error = %e, "ack completion; removing by sequence");
-                    remove_by_seq(ctx, carried).await;
-                    break;
-                }
+        // Acked through the messages held; by sequence for what is not held (a delivery
+        // resumed after a crash, or a failed ack). Removal is idempotent.
+        let mut all = held.len() == carried.completions.len();
+        for h in &held {
+            if let Err(e) = h.double_ack().await {
+                tracing::warn!(session = %session.id, error = %e, "ack completion; removing by sequence");
+                all = false;
+                break;
             }
+        }
+        if !all {
+            remove_by_seq(ctx, carried).await;
         }
     } else {
         for h in held {

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::records::{
-    transport_kind, SessionRecord, TurnCommand, TurnRecord, TurnState,
+    transport_kind, Carried, SessionRecord, TurnCommand, TurnRecord, TurnState,
 };
 use turnstile_shared::subjects;
 
@@ -29,6 +29,7 @@ pub(crate) async fn dispatch(
     msg: &jetstream::Message,
     turn: &turnstile_shared::TurnId,
     text: &str,
+    delivery: Option<&Carried>,
     kind: &'static str,
 ) -> Result<(), async_nats::Error> {
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
@@ -45,6 +46,7 @@ pub(crate) async fn dispatch(
             session: session.id.clone(),
             turn: turn.clone(),
             text: text.to_string(),
+            delivery: delivery.cloned(),
         },
     )?
     .with_session(&session.id)

@@ -8,8 +8,9 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::delivery::{self, DeliveryItem};
+use turnstile_shared::delivery::{self, Completion, DeliveryItem};
 use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::TurnId;
 
 use crate::ctx::Ctx;
 use crate::handoff::{
@@ -40,7 +41,24 @@ pub(super) async fn run_delivery(
         }
     };
     let (record, held) = match existing {
-        Some(record) => (record, Vec::new()),
+        Some(record) => {
+            if !record.state.is_terminal() {
+                if let Err(e) = dispatch(
+                    ctx,
+                    session,
+                    &msg,
+                    &turn_id,
+                    &record.text,
+                    record.delivery.as_ref(),
+                    item_kind::DELIVERY,
+                )
+                .await
+                {
+                    return retry(DeliveryError::Nats(e)).await;
+                }
+            }
+            (record, Vec::new())
+        }
         None => {
             let (carried, held) = match collect_expecting(ctx, session, item.first.as_ref()).await {
                 Ok(c) => c,
@@ -54,32 +72,13 @@ pub(super) async fn run_delivery(
                 let _ = msg.double_ack().await;
                 return;
             }
-            let record = TurnRecord {
-                id: turn_id.clone(),
-                session: session.id.clone(),
-                text: delivery::render_batch(
-                    &carried.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>(),
-                ),
-                queued_at: Utc::now(),
-                delivery: Some(Carried {
-                    delivery: item.delivery.clone(),
-                    completions: carried
-                        .iter()
-                        .map(|(c, seq)| CarriedCompletion {
-                            execution: c.execution.clone(),
-                            seq: *seq,
-                        })
-                        .collect(),
-                }),
-                parent: None,
-                state: TurnState::Queued,
-            };
-            // What it carries is durable before anything is typed (R14).
-            if let Err(e) = ctx.buckets.turns.create(turn_id.as_str(), &record).await {
+            let record = carrying(session, &turn_id, &item, &carried);
+
+            if let Err(e) = record_and_dispatch(ctx, session, &msg, &record).await {
                 for h in &held {
                     let _ = h.ack_with(AckKind::Nak(None)).await;
                 }
-                return retry(e.into()).await;
+                return retry(e).await;
             }
             (record, held)
         }
@@ -87,21 +86,6 @@ pub(super) async fn run_delivery(
     let record = if record.state.is_terminal() {
         record
     } else {
-        if let Err(e) = dispatch(
-            ctx,
-            session,
-            &msg,
-            &turn_id,
-            &record.text,
-            item_kind::DELIVERY,
-        )
-        .await
-        {
-            for h in &held {
-                let _ = h.ack_with(AckKind::Nak(None)).await;
-            }
-            return retry(DeliveryError::Nats(e)).await;
-        }
         // Off the hand-off path, while the turn runs.
         if let Err(e) = disarm_and_recheck(ctx, &session.id, &item).await {
             tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "clear delivery marker; a stale marker is re-armed by the next completion");
@@ -118,6 +102,65 @@ pub(super) async fn run_delivery(
     };
     settle(ctx, session, &record, &held).await;
     finish(ctx, session, &msg, &record).await;
+}
+
+/// The delivery turn's record: the batch as one message, and what it carries.
+fn carrying(
+    session: &SessionRecord,
+    turn_id: &TurnId,
+    item: &DeliveryItem,
+    carried: &[(Completion, u64)],
+) -> TurnRecord {
+    TurnRecord {
+        id: turn_id.clone(),
+        session: session.id.clone(),
+        text: delivery::render_batch(&carried.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>()),
+        queued_at: Utc::now(),
+        delivery: Some(Carried {
+            delivery: item.delivery.clone(),
+            completions: carried
+                .iter()
+                .map(|(c, seq)| CarriedCompletion {
+                    execution: c.execution.clone(),
+                    seq: *seq,
+                })
+                .collect(),
+        }),
+        parent: None,
+        state: TurnState::Queued,
+    }
+}
+
+/// Writes the turn's record and dispatches it at once (one round trip, not two). What it
+/// carries is durable before anything is typed either way (R14): the command carries the
+/// list, and a transport that finds no record creates this same one before typing. So the
+/// turn is under way once the command is out, whether or not this write succeeded (the
+/// transport writes it then); only a failed dispatch retries the item, and its redelivery
+/// finds the record if this write landed.
+async fn record_and_dispatch(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: &jetstream::Message,
+    record: &TurnRecord,
+) -> Result<(), DeliveryError> {
+    let (created, sent) = tokio::join!(
+        ctx.buckets.turns.create(record.id.as_str(), record),
+        dispatch(
+            ctx,
+            session,
+            msg,
+            &record.id,
+            &record.text,
+            record.delivery.as_ref(),
+            item_kind::DELIVERY,
+        ),
+    );
+    sent.map_err(DeliveryError::Nats)?;
+    // Already there means the transport created it from the command: the same record.
+    if let Err(e) = created {
+        tracing::warn!(session = %session.id, turn = %record.id, error = %e, "record delivery turn; its transport records it from the command");
+    }
+    Ok(())
 }
 
 async fn retry_later(

@@ -45,7 +45,17 @@ pub(super) async fn run_turn(
             return finish(ctx, session, &msg, &record).await;
         }
     }
-    if let Err(e) = dispatch(ctx, session, &msg, &item.turn, &item.text, item_kind::TURN).await {
+    if let Err(e) = dispatch(
+        ctx,
+        session,
+        &msg,
+        &item.turn,
+        &item.text,
+        None,
+        item_kind::TURN,
+    )
+    .await
+    {
         tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
         let _ = nak(Some(Duration::from_millis(500))).await;
         return;

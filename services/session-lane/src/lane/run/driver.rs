@@ -328,6 +328,7 @@ impl Driver<'_> {
             self.msg,
             turn,
             &record.text,
+            None,
             item_kind::RUN,
         )
         .await

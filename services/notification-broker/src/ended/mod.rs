@@ -2,9 +2,9 @@
 //! the durable `ts.step.ended.*` queue; each is recorded by compare-and-set (the first end
 //! wins), its workers and owned children are told, and one completion per target session is
 //! left on `TS_COMPLETION` and a delivery armed (R3, R7, R8). Only then is it acked, so a
-//! crash at any point redoes the idempotent rest (R14).
+//! crash at any point redoes the idempotent rest (R14). A worker's report is recorded at once
+//! by the replica that took it ([`Inline`]); its queued message is then the backstop.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,14 +15,19 @@ use turnstile_shared::delivery::{self, Completion};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::{exec_reason, ExecKind, ExecStatus, ExecutionRecord};
-use turnstile_shared::kv::{Change, KvError};
+use turnstile_shared::kv::Change;
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::{step_kind, Ended};
-use turnstile_shared::{consume, subjects, topology, SessionId};
+use turnstile_shared::{consume, subjects, topology};
 
 use crate::registry::{self, Reach};
+
+mod early;
+mod inline;
 use crate::step_events::step_envelope;
 use crate::Ctx;
+use early::{fresh_marker, Early, Owed};
+pub(crate) use inline::Inline;
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     consume::until_shutdown("ended queue", &shutdown, || consume(&ctx, &shutdown)).await
@@ -37,7 +42,7 @@ async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), asy
     .await
 }
 
-async fn handle(ctx: &Ctx, msg: jetstream::Message) {
+async fn handle(ctx: &Arc<Ctx>, msg: jetstream::Message) {
     let ended = match Envelope::decode(&msg.payload)
         .and_then(|env| env.expect_kind(step_kind::ENDED).map(|()| env))
         .and_then(|env| env.data_as::<Ended>())
@@ -56,6 +61,13 @@ async fn handle(ctx: &Ctx, msg: jetstream::Message) {
             return;
         }
     };
+    // Recorded already by this replica's report handler (see `inline`): ack if that worked.
+    if ctx.inline.outcome(&ended.execution).await == Some(true) {
+        if let Err(e) = msg.double_ack().await {
+            tracing::debug!(execution = %ended.execution, error = %e, "ack end");
+        }
+        return;
+    }
     match record_end(ctx, &ended).await {
         Ok(()) => {
             if let Err(e) = msg.double_ack().await {
@@ -85,7 +97,7 @@ enum EndError {
     Arm(#[from] turnstile_shared::arming::ArmError),
 }
 
-async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
+async fn record_end(ctx: &Arc<Ctx>, ended: &Ended) -> Result<(), EndError> {
     // From the record the reporter read, when it sent it: one write, no read (a conflict
     // re-reads).
     let known = ended
@@ -94,50 +106,38 @@ async fn record_end(ctx: &Ctx, ended: &Ended) -> Result<(), EndError> {
         .filter(|k| k.record.id == ended.execution)
         .map(|k| (k.record.clone(), k.revision));
     // The session reads and marker creates that do not depend on the end's outcome go out
-    // beside its write (the targets as the reporter read them).
+    // beside its write (the targets as the reporter read them), and run on while the
+    // completion is stored.
     let early_targets = known
         .as_ref()
         .filter(|(r, _)| r.kind == ExecKind::Step && !r.status.is_terminal())
         .map(|(r, _)| r.targets())
         .unwrap_or_default();
-    let (record, mut early) = tokio::join!(
-        ctx.buckets.executions.modify_from::<ExecutionRecord, _>(
-            ended.execution.as_str(),
-            known,
-            |cur| match cur {
-                Some(r) if !r.status.is_terminal() => Change::Write(ExecutionRecord {
-                    status: with_start(&ended.status, r.status.started_at()),
-                    ..r.clone()
-                }),
-                _ => Change::Keep,
-            }
-        ),
-        ahead(ctx, early_targets),
-    );
-    // Every marker this end creates owes its item until routing publishes it; whatever is
-    // still owed at the end (the end did not reach that target, or failed on the way) gets
-    // its item then: no marker waits without one.
-    let mut owed: Vec<Owed> = early
-        .iter()
-        .filter_map(|(t, a)| match &a.created {
-            Ok(Some(rev)) => Some((t.clone(), a.marker.clone(), *rev)),
-            _ => None,
+    let mut early = Early::start(ctx, early_targets);
+    let record = ctx
+        .buckets
+        .executions
+        .modify_from::<ExecutionRecord, _>(ended.execution.as_str(), known, |cur| match cur {
+            Some(r) if !r.status.is_terminal() => Change::Write(ExecutionRecord {
+                status: with_start(&ended.status, r.status.started_at()),
+                ..r.clone()
+            }),
+            _ => Change::Keep,
         })
-        .collect();
-    let result = finish_end(ctx, record, ended, &mut early, &mut owed).await;
-    release(ctx, owed).await;
+        .await;
+    let result = finish_end(ctx, record, ended, &mut early).await;
+    // Every marker this end created owes its item until routing publishes it; whatever is
+    // still owed now (the end did not reach that target, or failed on the way) gets its item
+    // here: no marker waits without one.
+    release(ctx, early.owed().await).await;
     result
 }
-
-/// A delivery marker this end created, whose item is not out yet.
-type Owed = (SessionId, delivery::DeliveryMarker, u64);
 
 async fn finish_end(
     ctx: &Ctx,
     record: Result<Option<ExecutionRecord>, turnstile_shared::kv::KvError>,
     ended: &Ended,
-    early: &mut HashMap<SessionId, Ahead>,
-    owed: &mut Vec<Owed>,
+    early: &mut Early,
 ) -> Result<(), EndError> {
     let record = record?;
     let Some(record) = record else {
@@ -161,10 +161,16 @@ async fn finish_end(
         }
         registry::cancel_under(ctx, &record, Reach::Owned, exec_reason::PARENT_CANCELLED).await?;
     }
-    // Events go out now and are confirmed before the end is acked, off the hand-off path.
-    let mut acks = vec![send(ctx, &step_envelope(&record, k)?).await?];
+    // Events go out on the way and are confirmed before the end is acked. The step's own
+    // goes out once the first lane item is (it would queue ahead of the completion's write
+    // otherwise), still before the events routing emits.
+    let mut acks = Vec::new();
+    let mut step_event = Some(step_envelope(&record, k)?);
     if delivery::routes_completions(&record) {
-        route(ctx, &record, &mut acks, early, owed).await?;
+        route(ctx, &record, &mut acks, early, &mut step_event).await?;
+    }
+    if let Some(ev) = step_event {
+        acks.push(send(ctx, &ev).await?);
     }
     for ack in acks {
         ack.await?;
@@ -212,45 +218,6 @@ fn with_start(status: &ExecStatus, known: Option<chrono::DateTime<chrono::Utc>>)
     s
 }
 
-/// What was done for a target beside the end's write: its session read and a marker create
-/// tried (the round trips that do not depend on the end), so only the completion and the item
-/// remain after it.
-struct Ahead {
-    active: Result<Option<(SessionRecord, u64)>, KvError>,
-    marker: delivery::DeliveryMarker,
-    created: Result<Option<u64>, KvError>,
-}
-
-fn fresh_marker() -> delivery::DeliveryMarker {
-    delivery::DeliveryMarker {
-        delivery: turnstile_shared::DeliveryId::new(),
-        armed_at: chrono::Utc::now(),
-    }
-}
-
-async fn ahead(ctx: &Ctx, targets: Vec<SessionId>) -> HashMap<SessionId, Ahead> {
-    futures::future::join_all(targets.into_iter().map(|t| async move {
-        let marker = fresh_marker();
-        let (active, created) = tokio::join!(
-            ctx.buckets.sessions.get::<SessionRecord>(t.as_str()),
-            ctx.buckets
-                .deliveries
-                .create_over_removed(t.as_str(), &marker),
-        );
-        (
-            t,
-            Ahead {
-                active,
-                marker,
-                created,
-            },
-        )
-    }))
-    .await
-    .into_iter()
-    .collect()
-}
-
 /// Publishes the items of markers that have none yet. Not a removal: another router may have
 /// seen the marker meanwhile and left its completion to this delivery; a delivery that finds
 /// nothing clears the marker and arms again for anything pending.
@@ -273,8 +240,8 @@ async fn route(
     ctx: &Ctx,
     record: &ExecutionRecord,
     acks: &mut Vec<Ack>,
-    early: &mut HashMap<SessionId, Ahead>,
-    owed: &mut Vec<Owed>,
+    early: &mut Early,
+    step_event: &mut Option<Envelope>,
 ) -> Result<(), EndError> {
     let completion = Completion::of(record);
     for target in record.targets() {
@@ -285,26 +252,26 @@ async fn route(
             &env,
             None,
         );
-        let (active, fresh, created) = match early.remove(&target) {
-            Some(a) => {
-                store.await?;
-                (a.active, a.marker, a.created)
+        let (active, fresh, created) = if early.covers(&target) {
+            // Its session read and marker create went out beside the end's write.
+            let (stored, ()) = tokio::join!(store, early.ready());
+            stored?;
+            let a = early.take(&target).await;
+            (a.active, a.marker, a.created)
+        } else {
+            let fresh = fresh_marker();
+            let (active, stored, created) = tokio::join!(
+                ctx.buckets.sessions.get::<SessionRecord>(target.as_str()),
+                store,
+                ctx.buckets
+                    .deliveries
+                    .create_over_removed(target.as_str(), &fresh),
+            );
+            if let Ok(Some(rev)) = &created {
+                early.owe(&target, &fresh, *rev);
             }
-            None => {
-                let fresh = fresh_marker();
-                let (active, stored, created) = tokio::join!(
-                    ctx.buckets.sessions.get::<SessionRecord>(target.as_str()),
-                    store,
-                    ctx.buckets
-                        .deliveries
-                        .create_over_removed(target.as_str(), &fresh),
-                );
-                if let Ok(Some(rev)) = &created {
-                    owed.push((target.clone(), fresh.clone(), *rev));
-                }
-                stored?;
-                (active, fresh, created)
-            }
+            stored?;
+            (active, fresh, created)
         };
         let active = active?.is_some_and(|(s, _)| s.is_active());
         let claimed = match created? {
@@ -317,7 +284,7 @@ async fn route(
         };
         if !active {
             // Kept on TS_COMPLETION for operators; nothing will hand it over.
-            owed.retain(|(t, _, _)| *t != target);
+            early.paid(&target);
             if let Some((m, rev)) = claimed {
                 ctx.buckets
                     .deliveries
@@ -338,7 +305,10 @@ async fn route(
             .await?;
         }
         // Its item is out: the marker is in use.
-        owed.retain(|(t, _, _)| *t != target);
+        early.paid(&target);
+        if let Some(ev) = step_event.take() {
+            acks.push(send(ctx, &ev).await?);
+        }
         let role = if record.owner.as_ref() == Some(&target) {
             "owner"
         } else {

@@ -1,0 +1,167 @@
+//! Ends reported through the step API are recorded and routed at once by the replica that
+//! took the report, as soon as their message is stored on the ended queue, instead of after
+//! that message's trip back out of the queue: one hop off the completion path. The queued
+//! message stays the durable record and the backstop. The consumer that takes it on this
+//! replica waits for the attempt already under way and acks the message if it succeeded, or
+//! records the end itself if it failed; a message taken by another replica (or redelivered
+//! after a crash) is recorded again there, which is idempotent (the first end wins, its
+//! completions and events are de-duplicated by id).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use turnstile_shared::step_api::Ended;
+use turnstile_shared::ExecutionId;
+
+use crate::Ctx;
+
+/// How long an attempt's outcome waits for its message's consumer on this replica; past
+/// this the message went to another replica (which records it again) and the entry is
+/// dropped.
+const KEEP: Duration = Duration::from_secs(30);
+
+/// The outcome of an inline attempt: `None` while it runs, then whether it succeeded.
+type Outcome = watch::Receiver<Option<bool>>;
+
+/// The inline attempts of this replica, by execution.
+#[derive(Default)]
+pub(crate) struct Inline {
+    attempts: Mutex<HashMap<ExecutionId, Outcome>>,
+}
+
+/// An attempt announced before its end message is published (so the consumer cannot take
+/// the message without finding it), and started once the message is stored.
+pub(crate) struct Announced {
+    execution: ExecutionId,
+    done: watch::Sender<Option<bool>>,
+}
+
+impl Inline {
+    /// Registers an attempt for `execution`; [`Announced::start`] it once its end message is
+    /// stored, or drop it if the publish failed (the consumer then never waits on it).
+    pub(crate) fn announce(&self, execution: &ExecutionId) -> Announced {
+        let (done, outcome) = watch::channel(None);
+        if let Ok(mut a) = self.attempts.lock() {
+            a.insert(execution.clone(), outcome);
+        }
+        Announced {
+            execution: execution.clone(),
+            done,
+        }
+    }
+
+    /// What the inline attempt for `execution` came to, if this replica made one: waits for
+    /// it to finish. `None`: no attempt here (or it vanished): record the end normally.
+    pub(crate) async fn outcome(&self, execution: &ExecutionId) -> Option<bool> {
+        let mut outcome = self.attempts.lock().ok()?.remove(execution)?;
+        let done = match outcome.wait_for(Option::is_some).await {
+            Ok(v) => *v,
+            Err(_) => None,
+        };
+        done
+    }
+
+    /// Whether this attempt's entry is still waiting for its consumer.
+    fn holds(&self, execution: &ExecutionId, attempt: &watch::Sender<Option<bool>>) -> bool {
+        self.attempts.lock().is_ok_and(|a| {
+            a.get(execution)
+                .is_some_and(|o| o.same_channel(&attempt.subscribe()))
+        })
+    }
+
+    /// Drops the entry of this attempt (not of a later one for the same execution).
+    fn forget(&self, execution: &ExecutionId, attempt: &watch::Sender<Option<bool>>) {
+        if let Ok(mut a) = self.attempts.lock() {
+            if a.get(execution)
+                .is_some_and(|o| o.same_channel(&attempt.subscribe()))
+            {
+                a.remove(execution);
+            }
+        }
+    }
+}
+
+impl Announced {
+    /// Records and routes the end now, off the caller's task.
+    pub(crate) fn start(self, ctx: &Arc<Ctx>, ended: Ended) {
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            let ok = match super::record_end(&ctx, &ended).await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::debug!(execution = %ended.execution, error = %e, "inline end; its queued message records it");
+                    false
+                }
+            };
+            drop(ended);
+            let _ = self.done.send(Some(ok));
+            // Taken already by this replica's consumer (the common case): nothing to keep.
+            if ctx.inline.holds(&self.execution, &self.done) {
+                tokio::time::sleep(KEEP).await;
+                ctx.inline.forget(&self.execution, &self.done);
+            }
+        });
+    }
+
+    /// The end message was not stored: nothing to wait for.
+    pub(crate) fn cancel(self, ctx: &Ctx) {
+        self.cancel_in(&ctx.inline);
+    }
+
+    fn cancel_in(self, inline: &Inline) {
+        inline.forget(&self.execution, &self.done);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use turnstile_shared::StepId;
+
+    #[tokio::test]
+    async fn the_consumer_learns_what_the_attempt_came_to() {
+        let inline = Arc::new(Inline::default());
+        let x: ExecutionId = StepId::new().into();
+        assert_eq!(
+            inline.outcome(&x).await,
+            None,
+            "no attempt: record normally"
+        );
+
+        let attempt = inline.announce(&x);
+        let waiting = tokio::spawn({
+            let (inline, x) = (inline.clone(), x.clone());
+            async move { inline.outcome(&x).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "waits while the attempt runs");
+        attempt.done.send(Some(true)).unwrap();
+        assert_eq!(waiting.await.unwrap(), Some(true));
+        assert!(
+            !inline.holds(&x, &attempt.done),
+            "the consumer took the entry"
+        );
+
+        let failed = inline.announce(&x);
+        failed.done.send(Some(false)).unwrap();
+        assert_eq!(inline.outcome(&x).await, Some(false), "failed: record it");
+
+        let vanished = inline.announce(&x);
+        drop(vanished);
+        assert_eq!(inline.outcome(&x).await, None, "an attempt that died");
+    }
+
+    #[test]
+    fn an_attempt_forgets_only_its_own_entry() {
+        let inline = Inline::default();
+        let x: ExecutionId = StepId::new().into();
+        let old = inline.announce(&x);
+        let new = inline.announce(&x);
+        inline.forget(&x, &old.done);
+        assert!(inline.holds(&x, &new.done), "a later attempt's entry stays");
+        new.cancel_in(&inline);
+        assert!(!inline.holds(&x, &new.done));
+    }
+}
