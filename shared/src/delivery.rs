@@ -46,6 +46,21 @@ impl Completion {
     }
 }
 
+/// What a turn hands over, as its record keeps it: each completion's execution and its
+/// sequence in `TS_COMPLETION`, under `delivery`.
+pub fn carried(delivery: DeliveryId, batch: &[(Completion, u64)]) -> crate::records::Carried {
+    crate::records::Carried {
+        delivery,
+        completions: batch
+            .iter()
+            .map(|(c, seq)| crate::records::CarriedCompletion {
+                execution: c.execution.clone(),
+                seq: *seq,
+            })
+            .collect(),
+    }
+}
+
 /// The one message a delivery turn types: every carried child with its status, summary and id.
 pub fn render_batch(completions: &[Completion]) -> String {
     let mut out = if completions.len() == 1 {

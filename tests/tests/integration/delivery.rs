@@ -286,3 +286,72 @@ async fn wait_delivery_running(
     })
     .await
 }
+
+/// The lane writes a delivery turn's record and sends its transport command at once. A
+/// command that arrives first makes the transport record the turn itself, from the command,
+/// with the same carried list, before it types anything (R14): what a delivery carries is
+/// never typed without being recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_command_ahead_of_its_record_is_recorded_with_what_it_carries() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = command_ahead(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn command_ahead(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::envelope::Envelope;
+    use turnstile_shared::records::{transport_kind, Carried, CarriedCompletion, TurnCommand};
+    use turnstile_shared::{subjects, DeliveryId, StepId};
+    let s = stack.create_session("ahead", None).await?;
+    let host = stack.session_record(&s).await?.host;
+    let delivery = DeliveryId::new();
+    let turn = delivery.turn();
+    let carried = Carried {
+        delivery,
+        completions: vec![CarriedCompletion {
+            execution: StepId::new().into(),
+            seq: 1,
+        }],
+    };
+    let text = "a delivery whose record is not written yet";
+    let command = Envelope::new(
+        transport_kind::TURN,
+        &TurnCommand {
+            session: s.clone(),
+            turn: turn.clone(),
+            text: text.into(),
+            delivery: Some(carried.clone()),
+        },
+    )?
+    .with_session(&s)
+    .with_turn(&turn)
+    .with_id(turn.to_string());
+    ensure!(
+        stack.turn(&turn).await?.is_none(),
+        "no record before the command"
+    );
+    // Sent as the lane sends it, under the lane's identity.
+    stack
+        .js_as("session-lane")
+        .await?
+        .publish(subjects::transport(&host, "turn"), command.encode()?)
+        .await?
+        .await?;
+    let done = stack.wait_turn(&turn, Duration::from_secs(30)).await?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
+    ensure!(
+        done.delivery.as_ref() == Some(&carried),
+        "the transport recorded {:?}, not the command's carried list",
+        done.delivery
+    );
+    let transcript = stack.transcript(&s).await?;
+    ensure!(
+        crate::stack::count(&transcript, text) == 1,
+        "typed once: {transcript:?}"
+    );
+    Ok(())
+}

@@ -333,7 +333,7 @@ fn ack(status: &ExecStatus) -> ReportAck {
 /// A worker takes the step. A second attempt (its first worker died with it) is refused and
 /// the step fails `worker_lost`: a step never runs twice (R14).
 async fn started(
-    ctx: &Ctx,
+    ctx: &Arc<Ctx>,
     record: ExecutionRecord,
     worker: String,
 ) -> Result<ReportAck, ApiError> {
@@ -358,10 +358,7 @@ async fn started(
             },
             known: None,
         };
-        registry::publish_end(ctx, &ended)
-            .await
-            .map_err(ApiError::internal)?;
-        return Ok(ack(&ended.status));
+        return end_now(ctx, ended).await;
     }
     let now = chrono::Utc::now();
     let next = ctx

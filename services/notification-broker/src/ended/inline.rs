@@ -65,22 +65,29 @@ impl Inline {
 
     /// Whether this attempt's entry is still waiting for its consumer.
     fn holds(&self, execution: &ExecutionId, attempt: &watch::Sender<Option<bool>>) -> bool {
-        self.attempts.lock().is_ok_and(|a| {
-            a.get(execution)
-                .is_some_and(|o| o.same_channel(&attempt.subscribe()))
-        })
+        self.attempts
+            .lock()
+            .is_ok_and(|a| is_entry_of(&a, execution, attempt))
     }
 
     /// Drops the entry of this attempt (not of a later one for the same execution).
     fn forget(&self, execution: &ExecutionId, attempt: &watch::Sender<Option<bool>>) {
         if let Ok(mut a) = self.attempts.lock() {
-            if a.get(execution)
-                .is_some_and(|o| o.same_channel(&attempt.subscribe()))
-            {
+            if is_entry_of(&a, execution, attempt) {
                 a.remove(execution);
             }
         }
     }
+}
+
+fn is_entry_of(
+    attempts: &HashMap<ExecutionId, Outcome>,
+    execution: &ExecutionId,
+    attempt: &watch::Sender<Option<bool>>,
+) -> bool {
+    attempts
+        .get(execution)
+        .is_some_and(|o| o.same_channel(&attempt.subscribe()))
 }
 
 impl Announced {
@@ -161,7 +168,16 @@ mod tests {
         let new = inline.announce(&x);
         inline.forget(&x, &old.done);
         assert!(inline.holds(&x, &new.done), "a later attempt's entry stays");
+        let probe = new.done.subscribe();
         new.cancel_in(&inline);
-        assert!(!inline.holds(&x, &new.done));
+        assert!(
+            !inline
+                .attempts
+                .lock()
+                .unwrap()
+                .get(&x)
+                .is_some_and(|o| o.same_channel(&probe)),
+            "a cancelled attempt leaves no entry"
+        );
     }
 }

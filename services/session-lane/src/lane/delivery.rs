@@ -9,7 +9,7 @@ use async_nats::jetstream::{self, AckKind};
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::delivery::{self, Completion, DeliveryItem};
-use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::TurnId;
 
 use crate::ctx::Ctx;
@@ -116,16 +116,7 @@ fn carrying(
         session: session.id.clone(),
         text: delivery::render_batch(&carried.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>()),
         queued_at: Utc::now(),
-        delivery: Some(Carried {
-            delivery: item.delivery.clone(),
-            completions: carried
-                .iter()
-                .map(|(c, seq)| CarriedCompletion {
-                    execution: c.execution.clone(),
-                    seq: *seq,
-                })
-                .collect(),
-        }),
+        delivery: Some(delivery::carried(item.delivery.clone(), carried)),
         parent: None,
         state: TurnState::Queued,
     }

@@ -13,7 +13,7 @@ use turnstile_shared::delivery::{self, Completion};
 use turnstile_shared::events::EventKind;
 use turnstile_shared::kv::Change;
 use turnstile_shared::principal::Principal;
-use turnstile_shared::records::{Carried, CarriedCompletion, SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::records::{Carried, SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::runs::{run_reason, MessageProgress, RunRecord, RunState};
 use turnstile_shared::step_api::ExecRef;
 use turnstile_shared::subjects;
@@ -180,16 +180,7 @@ impl Driver<'_> {
             let round = self.run.progress.get(index).map_or(0, |m| m.turns.len()) as u32;
             let next = self.run.turn_id(index, round);
             let completions: Vec<Completion> = carried.iter().map(|(c, _)| c.clone()).collect();
-            let carried = Carried {
-                delivery: DeliveryId::new(),
-                completions: carried
-                    .iter()
-                    .map(|(c, seq)| CarriedCompletion {
-                        execution: c.execution.clone(),
-                        seq: *seq,
-                    })
-                    .collect(),
-            };
+            let carried = delivery::carried(DeliveryId::new(), &carried);
             let text = delivery::render_batch(&completions);
             if let Err(e) = self.record_turn(index, &next, text, Some(carried)).await {
                 nak_all(&taken).await;
