@@ -29,8 +29,9 @@ pub(super) async fn run_delivery(
     let turn_id = item.delivery.turn();
     let waiter = ctx.turns.wait(&turn_id);
     let retry = |e: DeliveryError| retry_later(&msg, session, &item, e);
-    // A redelivered item finds the turn its earlier attempt recorded and finishes that one.
-    // A first delivery cannot have one: only this handler creates it (hot path: no read).
+    // A redelivered item finds the turn its earlier attempt recorded (it, or the transport
+    // from its command) and finishes that one. A first delivery cannot have one yet: only
+    // this attempt's write or its command creates it (hot path: no read).
     let first_delivery = msg.info().map(|i| i.delivered <= 1).unwrap_or(false);
     let existing = if first_delivery {
         None
@@ -73,7 +74,6 @@ pub(super) async fn run_delivery(
                 return;
             }
             let record = carrying(session, &turn_id, &item, &carried);
-
             if let Err(e) = record_and_dispatch(ctx, session, &msg, &record).await {
                 for h in &held {
                     let _ = h.ack_with(AckKind::Nak(None)).await;
