@@ -1,5 +1,6 @@
 //! Arming a session's one `delivery` lane item (R3): the marker in the deliveries bucket is
-//! claimed first, then the item is published under the same id. Above both the lane item and
+//! claimed first, then the item is published under the same id (beside the completion's
+//! store, by a router: see [`FIRST_WAIT`]). Above both the lane item and
 //! the delivery records, as the broker and the lane use it.
 
 use std::time::Duration;
@@ -29,6 +30,12 @@ pub enum ArmError {
     },
 }
 
+/// How long a delivery waits for the completion that armed it (named in its item as
+/// `first`) when its fetch does not find it: its router publishes the item beside the
+/// completion's store, so the item may overtake it. A router whose store took half this long
+/// or more arms again, in case the delivery stopped waiting before the store landed.
+pub const FIRST_WAIT: Duration = Duration::from_secs(2);
+
 /// A marker younger than this is trusted to have its item on the lane (its publish may still
 /// be in flight); an older one is checked against the lane itself.
 const MARKER_TRUST: Duration = Duration::from_secs(5);
@@ -52,7 +59,8 @@ pub async fn arm(
 }
 
 /// The first half of [`arm`]: the marker this caller must publish an item for, if any. Tries
-/// the create first (one round trip when nothing is armed, the common case).
+/// the create first (one round trip when nothing is armed, the common case: a delivery
+/// removes its marker without leaving a removal behind).
 pub async fn claim(
     js: &jetstream::Context,
     deliveries: &Bucket,
@@ -63,7 +71,7 @@ pub async fn claim(
         delivery: DeliveryId::new(),
         armed_at: Utc::now(),
     };
-    if let Some(rev) = deliveries.create_over_removed(key, &fresh).await? {
+    if let Some(rev) = deliveries.create(key, &fresh).await? {
         return Ok(Some((fresh, rev)));
     }
     let Some((m, rev)) = deliveries.get::<DeliveryMarker>(key).await? else {

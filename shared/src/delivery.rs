@@ -105,8 +105,9 @@ pub struct DeliveryItem {
     pub first: Option<crate::ids::ExecutionId>,
 }
 
-/// Clears the session's marker if it still names `delivery` (the lane does this when the item
-/// takes the lane, before it collects completions, so a later completion arms a new one).
+/// Clears the session's marker if it still names `delivery` (the lane does this once the
+/// item holds the lane and its turn is dispatched, so a later completion arms a new one). The
+/// marker is removed without a removal marker, so the next arming is one write.
 pub async fn disarm(
     deliveries: &Bucket,
     session: &SessionId,
@@ -114,14 +115,14 @@ pub async fn disarm(
 ) -> Result<(), KvError> {
     let key = session.as_str();
     if let Some(rev) = item.marker_rev {
-        if deliveries.delete_at(key, rev).await? {
+        if deliveries.remove_revision(key, rev).await? {
             return Ok(());
         }
     }
     let delivery = &item.delivery;
     if let Some((m, rev)) = deliveries.get::<DeliveryMarker>(key).await? {
         if m.delivery == *delivery {
-            deliveries.delete_at(key, rev).await?;
+            deliveries.remove_revision(key, rev).await?;
         }
     }
     Ok(())

@@ -12,6 +12,27 @@ pub const WRONG_LAST_SEQUENCE_CONSTANT: u64 = 10164;
 /// A message with the same `Nats-Msg-Id` is being stored right now by another publisher.
 pub const DUPLICATE_IN_PROCESS: u64 = 10158;
 
+/// A message delete named a sequence the stream does not hold (any more).
+pub const SEQUENCE_NOT_FOUND: u64 = 10043;
+/// A message delete the store refused. The server gives one code for every reason, and
+/// says which in the description: `no message found` (removed already), `stream store EOF`
+/// (never written), `message delete not permitted` (a stream that denies deletes).
+pub const MESSAGE_DELETE_FAILED: u64 = 10057;
+
+/// Whether a message delete's error says the message is not there (any more).
+pub fn is_message_gone(err: &async_nats::jetstream::Error) -> bool {
+    let code = err.error_code().0;
+    let text = err.to_string();
+    let said = |what: &str| text.contains(what);
+    code == SEQUENCE_NOT_FOUND
+        || (code == MESSAGE_DELETE_FAILED && (said("no message found") || said("EOF")))
+}
+
+/// Whether a message delete was refused because the stream denies deletes.
+pub fn is_delete_denied(err: &async_nats::jetstream::Error) -> bool {
+    err.error_code().0 == MESSAGE_DELETE_FAILED && err.to_string().contains("not permitted")
+}
+
 /// The first JetStream API error code found in `err`'s source chain.
 pub fn code_of(err: &(dyn StdError + 'static)) -> Option<u64> {
     let mut current: Option<&(dyn StdError + 'static)> = Some(err);

@@ -239,47 +239,18 @@ impl Bucket {
         key: &str,
         value: &T,
     ) -> Result<Option<u64>, KvError> {
-        self.create_reading(key, value, false).await
-    }
-
-    /// Like [`Bucket::create`], for keys that are routinely removed and created again (a
-    /// session's delivery marker): the key's last entry is read beside the first attempt, so
-    /// a key whose last entry is a removal costs two round trips instead of three. A read that
-    /// saw a value just removed answers `None`, as a create that lost would: callers re-decide.
-    pub async fn create_over_removed<T: Serialize + Retained>(
-        &self,
-        key: &str,
-        value: &T,
-    ) -> Result<Option<u64>, KvError> {
-        self.create_reading(key, value, true).await
-    }
-
-    async fn create_reading<T: Serialize + Retained>(
-        &self,
-        key: &str,
-        value: &T,
-        read_beside_first: bool,
-    ) -> Result<Option<u64>, KvError> {
         const ATTEMPTS: u32 = 5;
         let bytes = self.encode(key, value)?;
         let finished = value.finished();
         let mut expected = 0;
         for attempt in 1..=ATTEMPTS {
-            let write = self.write("create", key, bytes.clone(), Some(expected), finished);
-            let (written, read) = if read_beside_first && attempt == 1 {
-                let (w, r) = tokio::join!(write, self.last(key));
-                (w, Some(r))
-            } else {
-                (write.await, None)
-            };
-            if let Some(rev) = written? {
+            let written = self
+                .write("create", key, bytes.clone(), Some(expected), finished)
+                .await?;
+            if let Some(rev) = written {
                 return Ok(Some(rev));
             }
-            let last = match read {
-                Some(r) => r?,
-                None => self.last(key).await?,
-            };
-            match last {
+            match self.last(key).await? {
                 Some(Last::Value(_, _)) => return Ok(None),
                 Some(Last::Removed(revision)) => expected = revision,
                 // Absent again: purged meanwhile (or, on a bucket read by direct get, a
@@ -318,6 +289,47 @@ impl Bucket {
                 Ok(false)
             }
             Err(e) => Err(self.nats("delete", key, e)),
+        }
+    }
+
+    /// Removes the entry written at `revision` if it is still the key's value, leaving no
+    /// removal behind it: the key is absent afterwards, so the next [`Bucket::create`] is one
+    /// round trip (over a removal marker it costs two). `Ok(false)` when that entry is gone
+    /// already (overwritten, or removed). Only for buckets whose stream allows message deletes
+    /// (the deliveries bucket), and for keys nobody watches: no watcher sees this removal.
+    pub async fn remove_revision(&self, key: &str, revision: u64) -> Result<bool, KvError> {
+        #[derive(serde::Deserialize)]
+        struct Deleted {
+            #[serde(default)]
+            success: bool,
+        }
+        let subject = format!("STREAM.MSG.DELETE.{}", self.store.stream_name);
+        // `no_erase`: drop it from the index; overwriting its bytes (the API's default) is
+        // for secrets, and costs a rewrite of the block.
+        let request = serde_json::json!({ "seq": revision, "no_erase": true });
+        let response: async_nats::jetstream::response::Response<Deleted> = self
+            .js
+            .request(subject, &request)
+            .await
+            .map_err(|e| self.nats("remove", key, e))?;
+        match response {
+            async_nats::jetstream::response::Response::Ok(d) => Ok(d.success),
+            async_nats::jetstream::response::Response::Err { error }
+                if crate::js_codes::is_message_gone(&error) =>
+            {
+                Ok(false)
+            }
+            // A bucket an older build provisioned (until `provision` runs again): removed as
+            // a KV delete, leaving its marker.
+            async_nats::jetstream::response::Response::Err { error }
+                if crate::js_codes::is_delete_denied(&error) =>
+            {
+                tracing::debug!(bucket = %self.name, "stream denies message deletes; deleting through the KV");
+                self.delete_at(key, revision).await
+            }
+            async_nats::jetstream::response::Response::Err { error } => {
+                Err(self.nats("remove", key, error))
+            }
         }
     }
 

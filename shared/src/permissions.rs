@@ -208,6 +208,11 @@ impl Role {
                     // A departed replica's liveness and pin keys are purged, markers and all.
                     format!("$JS.API.STREAM.PURGE.{}", subjects::REPLICAS_KV_STREAM),
                     format!("$JS.API.STREAM.MSG.DELETE.{}", subjects::COMPLETION_STREAM),
+                    // A delivery's marker is removed by sequence.
+                    format!(
+                        "$JS.API.STREAM.MSG.DELETE.{}",
+                        subjects::DELIVERIES_KV_STREAM
+                    ),
                     "ts.lane.>".into(),
                     subjects::TRANSPORT_ALL.into(),
                     subjects::EVENTS_ALL.into(),
@@ -234,6 +239,11 @@ impl Role {
                         subjects::LANE_STREAM,
                     ],
                     &[
+                        // A stopped target's delivery marker is removed by sequence.
+                        format!(
+                            "$JS.API.STREAM.MSG.DELETE.{}",
+                            subjects::DELIVERIES_KV_STREAM
+                        ),
                         subjects::COMPLETION_ALL.into(),
                         subjects::STEP_ALL.into(),
                         "ts.lane.>".into(),

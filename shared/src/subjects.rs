@@ -275,6 +275,10 @@ pub const RUNS_KV_STREAM: &str = "KV_ts_runs";
 pub const RUNS_KV_ALL: &str = "$KV.ts_runs.>";
 pub const BROKER_RUNS_CONSUMER: &str = "broker_runs";
 
+/// The stream behind the deliveries bucket: a delivery's marker is removed from it by
+/// sequence, leaving no removal behind (see `kv::Bucket::remove_revision`).
+pub const DELIVERIES_KV_STREAM: &str = "KV_ts_deliveries";
+
 /// The stream behind the replicas bucket: a departed replica's keys are purged from it.
 pub const REPLICAS_KV_STREAM: &str = "KV_ts_replicas";
 

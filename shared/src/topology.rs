@@ -231,7 +231,6 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
             bucket(subjects::EXECUTIONS_BUCKET, Duration::ZERO),
             Some(tree),
         ),
-        (bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO), None),
         (bucket(subjects::RUNS_BUCKET, Duration::ZERO), Some(record)),
         (bucket(subjects::SCHEDULES_BUCKET, Duration::ZERO), None),
         (bucket(subjects::SLOTS_BUCKET, Duration::ZERO), Some(record)),
@@ -258,15 +257,55 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
             }
         }
     }
+    provision_deliveries(js, &bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO)).await
+}
+
+/// The deliveries bucket's stream allows message deletes: a delivery removes its marker by
+/// sequence, leaving no removal for the next arming to write over (one round trip, not two;
+/// `kv::Bucket::remove_revision`). A bucket provisioned by an older build denies them, and
+/// the server never lifts that on an update, so such a stream is made again, once. Its
+/// markers are lost with it; a lost marker whose item is on a lane at worst arms one extra
+/// delivery, which finds nothing and clears itself.
+async fn provision_deliveries(
+    js: &jetstream::Context,
+    config: &kv::Config,
+) -> Result<(), TopologyError> {
+    let err = |e: async_nats::Error| TopologyError::Bucket {
+        name: config.bucket.clone(),
+        source: e,
+    };
+    let mut stream = bucket_stream(config);
+    stream.deny_delete = false;
+    if let Ok(old) = js.get_stream(subjects::DELIVERIES_KV_STREAM).await {
+        if old.cached_info().config.deny_delete {
+            tracing::info!(
+                stream = subjects::DELIVERIES_KV_STREAM,
+                "made again to allow marker removal by sequence (armed markers dropped)"
+            );
+            js.delete_stream(subjects::DELIVERIES_KV_STREAM)
+                .await
+                .map_err(|e| err(e.into()))?;
+        }
+    }
+    js.create_or_update_stream(stream)
+        .await
+        .map_err(|e| err(e.into()))?;
     Ok(())
 }
 
-/// The stream behind a bucket of records with a retention: what the KV API would create for
-/// `config` (one value per key, direct gets, rollups, no deletes through the stream API),
-/// plus per-message TTLs and the retention in its metadata (see `retention`). Written as a
-/// stream so provisioning again keeps both (a KV update would try to drop them).
+/// The stream behind a bucket of records with a retention: [`bucket_stream`] plus
+/// per-message TTLs and the retention in its metadata (see `retention`). Written as a stream
+/// so provisioning again keeps both (a KV update would try to drop them).
 fn record_bucket_stream(config: &kv::Config, retention: Duration) -> stream::Config {
-    let mut s = stream::Config {
+    let mut s = bucket_stream(config);
+    crate::retention::mark(&mut s, retention);
+    s
+}
+
+/// What the KV API would create for `config`: one value per key, direct gets, rollups, no
+/// deletes through the stream API.
+fn bucket_stream(config: &kv::Config) -> stream::Config {
+    stream::Config {
         name: format!("KV_{}", config.bucket),
         subjects: vec![format!("$KV.{}.>", config.bucket)],
         max_messages_per_subject: config.history,
@@ -280,9 +319,7 @@ fn record_bucket_stream(config: &kv::Config, retention: Duration) -> stream::Con
         discard: stream::DiscardPolicy::New,
         duplicate_window: Duration::from_secs(120),
         ..Default::default()
-    };
-    crate::retention::mark(&mut s, retention);
-    s
+    }
 }
 
 /// A session's exclusive lane consumer: one item in flight, pinned to one replica (R1).

@@ -206,8 +206,16 @@ pub(crate) async fn lane_occupant(
 
 /// Queues the end of an execution for the ended consumer (the one writer of terminal states).
 pub(crate) async fn publish_end(ctx: &Ctx, ended: &Ended) -> Result<(), RegistryError> {
-    let env = ended.envelope()?;
-    events::publish_durable(&ctx.js, subjects::step_ended(&ended.execution), &env, None).await?;
+    publish_end_envelope(ctx, &ended.execution, &ended.envelope()?).await
+}
+
+/// [`publish_end`] of an end already in its envelope.
+pub(crate) async fn publish_end_envelope(
+    ctx: &Ctx,
+    execution: &ExecutionId,
+    env: &turnstile_shared::envelope::Envelope,
+) -> Result<(), RegistryError> {
+    events::publish_durable(&ctx.js, subjects::step_ended(execution), env, None).await?;
     Ok(())
 }
 

@@ -21,6 +21,7 @@ use turnstile_shared::step_api::{
 use turnstile_shared::{subjects, ExecutionId, StepId};
 
 use crate::auth::{authenticate, same_secret, Identity};
+use crate::ended::StoreBeside;
 use crate::registry;
 use crate::step_events::step_event;
 use crate::Ctx;
@@ -276,6 +277,7 @@ pub(super) async fn report(
     let (record, revision) =
         read.ok_or_else(|| ApiError::not_found(format!("no step {}", req.step)))?;
     if record.status.is_terminal() {
+        resend_recent_end(&ctx, &record).await?;
         return Ok(ack(&record.status));
     }
     match req.report {
@@ -309,18 +311,51 @@ pub(super) async fn report(
     }
 }
 
-/// Stores the reported end on the ended queue (durable: the worker may stop reporting once
-/// acked), then records and routes it at once on this replica; the queued message is the
-/// backstop if that fails or this replica dies (`ended::Inline`).
+/// Records and routes the reported end at once on this replica, and stores it on the ended
+/// queue beside that (durable: the worker may stop reporting once acked); the queued message
+/// is the backstop if the attempt fails or this replica dies (`ended::Inline`). The worker is
+/// answered once the message is stored. A failed store is answered with an error while the
+/// attempt goes on: the worker reports again, and a report that finds the end recorded but
+/// perhaps not queued stores it then ([`resend_recent_end`]).
 async fn end_now(ctx: &Arc<Ctx>, ended: Ended) -> Result<ReportAck, ApiError> {
-    let attempt = ctx.inline.announce(&ended.execution);
-    if let Err(e) = registry::publish_end(ctx, &ended).await {
-        attempt.cancel(ctx);
-        return Err(ApiError::internal(e));
-    }
     let reply = ack(&ended.status);
-    attempt.start(ctx, ended);
+    let env = ended.envelope().map_err(ApiError::internal)?;
+    let (stored, outcome) = tokio::sync::oneshot::channel();
+    ctx.inline
+        .announce(&ended.execution)
+        .start(ctx, ended, StoreBeside { env, stored });
+    match outcome.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(ApiError::internal(e)),
+        Err(_) => return Err(ApiError::internal("the end's store was abandoned")),
+    }
     Ok(reply)
+}
+
+/// How long after an end a report on it stores the end on the ended queue again: well inside
+/// the queue's and the completions' duplicate window (2 minutes), so a repeat is dropped there
+/// and its routing repeats nothing. It covers the one case where a recorded end may have no
+/// queued message: its report's store failed (or its replica died) while the end was recorded
+/// beside it; the worker's next report, or a second worker taking the redelivered work,
+/// stores it.
+const RESEND_WITHIN: chrono::TimeDelta = chrono::TimeDelta::seconds(60);
+
+async fn resend_recent_end(ctx: &Ctx, record: &ExecutionRecord) -> Result<(), ApiError> {
+    let recent = record
+        .status
+        .ended_at()
+        .is_some_and(|at| chrono::Utc::now() - at < RESEND_WITHIN);
+    if !recent || !turnstile_shared::delivery::routes_completions(record) {
+        return Ok(());
+    }
+    let ended = Ended {
+        execution: record.id.clone(),
+        status: record.status.clone(),
+        known: None,
+    };
+    registry::publish_end(ctx, &ended)
+        .await
+        .map_err(ApiError::internal)
 }
 
 fn ack(status: &ExecStatus) -> ReportAck {

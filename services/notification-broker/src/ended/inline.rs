@@ -1,11 +1,13 @@
 //! Ends reported through the step API are recorded and routed at once by the replica that
-//! took the report, as soon as their message is stored on the ended queue, instead of after
-//! that message's trip back out of the queue: one hop off the completion path. The queued
+//! took the report, beside the store of their message on the ended queue, instead of after
+//! that message's trip back out of the queue: two hops off the completion path. The queued
 //! message stays the durable record and the backstop. The consumer that takes it on this
 //! replica waits for the attempt already under way and acks the message if it succeeded, or
 //! records the end itself if it failed; a message taken by another replica (or redelivered
 //! after a crash) is recorded again there, which is idempotent (the first end wins, its
-//! completions and events are de-duplicated by id).
+//! completions and events are de-duplicated by id). An attempt whose message was not stored
+//! runs on: its worker, told the report failed, reports again, and that report finds the end
+//! recorded and stores its message then (`api::steps`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -31,16 +33,16 @@ pub(crate) struct Inline {
     attempts: Mutex<HashMap<ExecutionId, Outcome>>,
 }
 
-/// An attempt announced before its end message is published (so the consumer cannot take
-/// the message without finding it), and started once the message is stored.
+/// An attempt announced before its end message is published, so the consumer cannot take
+/// the message without finding it.
 pub(crate) struct Announced {
     execution: ExecutionId,
     done: watch::Sender<Option<bool>>,
 }
 
 impl Inline {
-    /// Registers an attempt for `execution`; [`Announced::start`] it once its end message is
-    /// stored, or drop it if the publish failed (the consumer then never waits on it).
+    /// Registers an attempt for `execution`; [`Announced::start`] it beside the publish of its
+    /// end message (a dropped announcement leaves the consumer nothing to wait on).
     pub(crate) fn announce(&self, execution: &ExecutionId) -> Announced {
         let (done, outcome) = watch::channel(None);
         if let Ok(mut a) = self.attempts.lock() {
@@ -91,11 +93,12 @@ fn is_entry_of(
 }
 
 impl Announced {
-    /// Records and routes the end now, off the caller's task.
-    pub(crate) fn start(self, ctx: &Arc<Ctx>, ended: Ended) {
+    /// Records and routes the end now, off the caller's task, storing its message on the
+    /// ended queue beside that (`beside`).
+    pub(crate) fn start(self, ctx: &Arc<Ctx>, ended: Ended, beside: super::StoreBeside) {
         let ctx = ctx.clone();
         tokio::spawn(async move {
-            let ok = match super::record_end(&ctx, &ended).await {
+            let ok = match super::record_end(&ctx, &ended, Some(beside)).await {
                 Ok(()) => true,
                 Err(e) => {
                     tracing::debug!(execution = %ended.execution, error = %e, "inline end; its queued message records it");
@@ -105,20 +108,13 @@ impl Announced {
             drop(ended);
             let _ = self.done.send(Some(ok));
             // Taken already by this replica's consumer (the common case): nothing to keep.
+            // Otherwise kept for the consumer a while (or, if the message was never stored,
+            // until nobody could come for it).
             if ctx.inline.holds(&self.execution, &self.done) {
                 tokio::time::sleep(KEEP).await;
                 ctx.inline.forget(&self.execution, &self.done);
             }
         });
-    }
-
-    /// The end message was not stored: nothing to wait for.
-    pub(crate) fn cancel(self, ctx: &Ctx) {
-        self.cancel_in(&ctx.inline);
-    }
-
-    fn cancel_in(self, inline: &Inline) {
-        inline.forget(&self.execution, &self.done);
     }
 }
 
@@ -168,16 +164,10 @@ mod tests {
         let new = inline.announce(&x);
         inline.forget(&x, &old.done);
         assert!(inline.holds(&x, &new.done), "a later attempt's entry stays");
-        let probe = new.done.subscribe();
-        new.cancel_in(&inline);
+        inline.forget(&x, &new.done);
         assert!(
-            !inline
-                .attempts
-                .lock()
-                .unwrap()
-                .get(&x)
-                .is_some_and(|o| o.same_channel(&probe)),
-            "a cancelled attempt leaves no entry"
+            !inline.holds(&x, &new.done),
+            "a forgotten attempt leaves no entry"
         );
     }
 }

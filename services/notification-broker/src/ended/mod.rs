@@ -16,9 +16,8 @@ use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::{exec_reason, ExecKind, ExecStatus, ExecutionRecord};
 use turnstile_shared::kv::Change;
-use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::{step_kind, Ended};
-use turnstile_shared::{consume, subjects, topology};
+use turnstile_shared::{arming, consume, subjects, topology};
 
 use crate::registry::{self, Reach};
 
@@ -26,7 +25,7 @@ mod early;
 mod inline;
 use crate::step_events::step_envelope;
 use crate::Ctx;
-use early::{fresh_marker, Early, Owed};
+use early::{Early, Owed};
 pub(crate) use inline::Inline;
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
@@ -68,7 +67,7 @@ async fn handle(ctx: &Arc<Ctx>, msg: jetstream::Message) {
         }
         return;
     }
-    match record_end(ctx, &ended).await {
+    match record_end(ctx, &ended, None).await {
         Ok(()) => {
             if let Err(e) = msg.double_ack().await {
                 tracing::debug!(execution = %ended.execution, error = %e, "ack end");
@@ -94,10 +93,31 @@ enum EndError {
     #[error(transparent)]
     Envelope(#[from] turnstile_shared::EnvelopeError),
     #[error(transparent)]
-    Arm(#[from] turnstile_shared::arming::ArmError),
+    Arm(#[from] arming::ArmError),
 }
 
-async fn record_end(ctx: &Arc<Ctx>, ended: &Ended) -> Result<(), EndError> {
+/// The end's message to store on the ended queue beside its recording (a worker's report):
+/// how the store went is sent back on `stored`.
+pub(crate) struct StoreBeside {
+    pub env: Envelope,
+    pub stored: tokio::sync::oneshot::Sender<Result<(), registry::RegistryError>>,
+}
+
+async fn record_end(
+    ctx: &Arc<Ctx>,
+    ended: &Ended,
+    beside: Option<StoreBeside>,
+) -> Result<(), EndError> {
+    if let Some(b) = beside {
+        // Spawned: it goes on the wire once this task first waits, behind the round trips
+        // routing waits for (the write, the session reads, the marker creates).
+        let ctx = ctx.clone();
+        let execution = ended.execution.clone();
+        tokio::spawn(async move {
+            let r = registry::publish_end_envelope(&ctx, &execution, &b.env).await;
+            let _ = b.stored.send(r);
+        });
+    }
     // From the record the reporter read, when it sent it: one write, no read (a conflict
     // re-reads).
     let known = ended
@@ -106,30 +126,29 @@ async fn record_end(ctx: &Arc<Ctx>, ended: &Ended) -> Result<(), EndError> {
         .filter(|k| k.record.id == ended.execution)
         .map(|k| (k.record.clone(), k.revision));
     // The session reads and marker creates that do not depend on the end's outcome go out
-    // beside its write (the targets as the reporter read them), and run on while the
-    // completion is stored.
+    // beside its write (the targets as the reporter read them).
     let early_targets = known
         .as_ref()
         .filter(|(r, _)| r.kind == ExecKind::Step && !r.status.is_terminal())
         .map(|(r, _)| r.targets())
         .unwrap_or_default();
-    let mut early = Early::start(ctx, early_targets);
-    let record = ctx
-        .buckets
-        .executions
-        .modify_from::<ExecutionRecord, _>(ended.execution.as_str(), known, |cur| match cur {
+    let write = ctx.buckets.executions.modify_from::<ExecutionRecord, _>(
+        ended.execution.as_str(),
+        known,
+        |cur| match cur {
             Some(r) if !r.status.is_terminal() => Change::Write(ExecutionRecord {
                 status: with_start(&ended.status, r.status.started_at()),
                 ..r.clone()
             }),
             _ => Change::Keep,
-        })
-        .await;
+        },
+    );
+    let (record, mut early) = tokio::join!(write, Early::run(ctx, early_targets));
     let result = finish_end(ctx, record, ended, &mut early).await;
     // Every marker this end created owes its item until routing publishes it; whatever is
     // still owed now (the end did not reach that target, or failed on the way) gets its item
     // here: no marker waits without one.
-    release(ctx, early.owed().await).await;
+    release(ctx, early.owed()).await;
     result
 }
 
@@ -223,19 +242,20 @@ fn with_start(status: &ExecStatus, known: Option<chrono::DateTime<chrono::Utc>>)
 /// nothing clears the marker and arms again for anything pending.
 async fn release(ctx: &Ctx, owed: Vec<Owed>) {
     for (target, marker, rev) in owed {
-        if let Err(e) =
-            turnstile_shared::arming::publish_item(&ctx.js, &target, &marker, rev, None).await
-        {
+        if let Err(e) = arming::publish_item(&ctx.js, &target, &marker, rev, None).await {
             tracing::warn!(session = %target, error = %e, "publish the item of an armed delivery; its marker is checked against the lane once it is older than the trust window");
         }
     }
 }
 
 /// One completion per target session (owner, then watchers; R8), then a delivery armed for
-/// each. Both are idempotent, so a redelivered end repeats them harmlessly. The completion is
-/// stored and the marker claimed at once (or the marker was claimed ahead, beside the end's
-/// write); the lane item goes out only after both, so a delivery never looks for a
-/// completion that is not there yet.
+/// each. Both are idempotent, so a redelivered end repeats them harmlessly. The completion's
+/// store goes out at once; beside it, the target's session read and marker create are
+/// awaited (made ahead, beside the end's write, when the reporter's record named the
+/// targets) and, when this end created the marker, the lane item published. The item may so
+/// reach the lane before the completion is stored: the delivery waits for the completion it
+/// names ([`arming::FIRST_WAIT`]), and a store slower than half that wait arms again in case
+/// the delivery gave up on it first.
 async fn route(
     ctx: &Ctx,
     record: &ExecutionRecord,
@@ -246,65 +266,67 @@ async fn route(
     let completion = Completion::of(record);
     for target in record.targets() {
         let env = completion.envelope(&target)?;
+        let began = std::time::Instant::now();
         let store = events::publish_durable(
             &ctx.js,
             subjects::completion(&target, &record.id),
             &env,
             None,
         );
-        let (active, fresh, created) = if early.covers(&target) {
-            // Its session read and marker create went out beside the end's write.
-            let (stored, ()) = tokio::join!(store, early.ready());
-            stored?;
+        let decide = async {
             let a = early.take(&target).await;
-            (a.active, a.marker, a.created)
-        } else {
-            let fresh = fresh_marker();
-            let (active, stored, created) = tokio::join!(
-                ctx.buckets.sessions.get::<SessionRecord>(target.as_str()),
-                store,
-                ctx.buckets
-                    .deliveries
-                    .create_over_removed(target.as_str(), &fresh),
-            );
-            if let Ok(Some(rev)) = &created {
-                early.owe(&target, &fresh, *rev);
+            let active = a.active?.is_some_and(|(s, _)| s.is_active());
+            let created = a.created?.map(|rev| (a.marker, rev));
+            let mut published = false;
+            if let (true, Some((marker, rev))) = (active, &created) {
+                arming::publish_item(&ctx.js, &target, marker, *rev, Some(&record.id)).await?;
+                // Its item is out: the marker is in use.
+                early.paid(&target);
+                published = true;
             }
-            stored?;
-            (active, fresh, created)
+            Ok::<_, EndError>((active, created, published))
         };
-        let active = active?.is_some_and(|(s, _)| s.is_active());
-        let claimed = match created? {
-            Some(rev) => Some((fresh, rev)),
-            // A delivery was armed already: decided again now that the completion is stored,
-            // so one taken by the lane meanwhile cannot have missed it.
-            None => {
-                turnstile_shared::arming::claim(&ctx.js, &ctx.buckets.deliveries, &target).await?
-            }
-        };
+        let (stored, decided) = tokio::join!(store, decide);
+        let (active, created, published) = decided?;
+        stored?;
         if !active {
             // Kept on TS_COMPLETION for operators; nothing will hand it over.
             early.paid(&target);
+            let claimed = match created {
+                Some(c) => Some(c),
+                None => arming::claim(&ctx.js, &ctx.buckets.deliveries, &target).await?,
+            };
             if let Some((m, rev)) = claimed {
                 ctx.buckets
                     .deliveries
-                    .delete_at(target.as_str(), rev)
+                    .remove_revision(target.as_str(), rev)
                     .await?;
                 tracing::info!(execution = %record.id, session = %target, delivery = %m.delivery, "target session stopped; completion kept, not delivered");
             }
             continue;
         }
-        if let Some((marker, rev)) = &claimed {
-            turnstile_shared::arming::publish_item(
-                &ctx.js,
-                &target,
-                marker,
-                *rev,
-                Some(&record.id),
-            )
-            .await?;
-        }
-        // Its item is out: the marker is in use.
+        let claimed = match created {
+            Some(c) => {
+                if published && began.elapsed() >= arming::FIRST_WAIT / 2 {
+                    // Stored late: its delivery may have stopped waiting for it and cleared
+                    // the marker; if so a new one is armed (else the marker stands).
+                    tracing::info!(execution = %record.id, session = %target, "completion stored late; arming again in case its delivery went without it");
+                    if let Some(d) = arming::arm(&ctx.js, &ctx.buckets.deliveries, &target).await? {
+                        acks.push(send(ctx, &queued_event(&target, &d)?).await?);
+                    }
+                }
+                Some(c)
+            }
+            // A delivery was armed already: decided again now that the completion is stored,
+            // so one taken by the lane meanwhile cannot have missed it.
+            None => {
+                let claimed = arming::claim(&ctx.js, &ctx.buckets.deliveries, &target).await?;
+                if let Some((marker, rev)) = &claimed {
+                    arming::publish_item(&ctx.js, &target, marker, *rev, Some(&record.id)).await?;
+                }
+                claimed
+            }
+        };
         early.paid(&target);
         if let Some(ev) = step_event.take() {
             acks.push(send(ctx, &ev).await?);
@@ -327,16 +349,22 @@ async fn route(
         .with_id(format!("{}:{target}:routed", record.id));
         acks.push(send(ctx, &ev).await?);
         if let Some((marker, _)) = claimed {
-            let d = marker.delivery;
-            let ev = session_event(
-                EventKind::DeliveryQueued,
-                &target,
-                None,
-                &json!({ "delivery": d }),
-            )?
-            .with_id(format!("{d}:queued"));
-            acks.push(send(ctx, &ev).await?);
+            acks.push(send(ctx, &queued_event(&target, &marker.delivery)?).await?);
         }
     }
     Ok(())
+}
+
+/// `delivery.queued` for a delivery armed on `target`'s lane.
+fn queued_event(
+    target: &turnstile_shared::SessionId,
+    delivery: &turnstile_shared::DeliveryId,
+) -> Result<Envelope, EndError> {
+    Ok(session_event(
+        EventKind::DeliveryQueued,
+        target,
+        None,
+        &json!({ "delivery": delivery }),
+    )?
+    .with_id(format!("{delivery}:queued")))
 }

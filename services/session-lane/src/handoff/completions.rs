@@ -14,7 +14,7 @@ use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::ExecutionRecord;
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::records::{Carried, SessionRecord, TurnRecord, TurnState};
-use turnstile_shared::{deadletter, subjects, topology, ExecutionId, SessionId};
+use turnstile_shared::{arming, deadletter, subjects, topology, ExecutionId, SessionId};
 
 use crate::ctx::Ctx;
 
@@ -83,7 +83,13 @@ pub(crate) async fn collect_expecting(
         }
     };
     let (fetched, mut early) = tokio::join!(fetch(ctx, session), early);
-    let fetched = fetched?;
+    let mut fetched = fetched?;
+    if let Some(first) = expected {
+        if fetched.len() < DELIVERY_CAP && !fetched.iter().any(|f| f.completion.execution == *first)
+        {
+            wait_for(ctx, session, first, &mut fetched).await?;
+        }
+    }
     let verdicts = futures::future::join_all(fetched.iter().map(|f| {
         let known = early
             .take_if(|(e, _)| **e == f.completion.execution)
@@ -136,6 +142,57 @@ async fn fetch(ctx: &Ctx, session: &SessionRecord) -> Result<Vec<Fetched>, Deliv
         }
     }
     Ok(fetched)
+}
+
+/// The completion that armed this delivery was not pending yet: its router publishes the
+/// item beside the completion's store, so the item can overtake it. Waits for it (taking
+/// whatever else arrives meanwhile) up to [`arming::FIRST_WAIT`]; past that the delivery
+/// goes on without it, and a router that stored it that late arms again.
+async fn wait_for(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    first: &ExecutionId,
+    fetched: &mut Vec<Fetched>,
+) -> Result<(), DeliveryError> {
+    let consumer = ctx.completion_consumer(&session.id).await?;
+    let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
+        session: session.id.clone(),
+        source: e,
+    };
+    let deadline = tokio::time::Instant::now() + arming::FIRST_WAIT;
+    while fetched.len() < DELIVERY_CAP {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left < std::time::Duration::from_millis(1) {
+            tracing::info!(session = %session.id, execution = %first, "the completion that armed this delivery did not arrive; delivering without it");
+            return Ok(());
+        }
+        let mut batch = consumer
+            .batch()
+            .max_messages(1)
+            .expires(left)
+            .messages()
+            .await
+            .map_err(|e| fetch_err(e.into()))?;
+        while let Some(m) = batch.next().await {
+            let msg = m.map_err(&fetch_err)?;
+            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+            match decode(&session.id, &msg) {
+                Ok(completion) => {
+                    let found = completion.execution == *first;
+                    fetched.push(Fetched {
+                        msg,
+                        seq,
+                        completion,
+                    });
+                    if found {
+                        return Ok(());
+                    }
+                }
+                Err(reason) => reject(ctx, &session.id, &msg, &reason).await,
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Keeps what the registry admitted; the rest is retried later or refused (dead-lettered).

@@ -134,8 +134,9 @@ async fn record_and_dispatch(
     msg: &jetstream::Message,
     record: &TurnRecord,
 ) -> Result<(), DeliveryError> {
-    let (created, sent) = tokio::join!(
-        ctx.buckets.turns.create(record.id.as_str(), record),
+    // The dispatch is polled first, so its event and command are on the wire ahead of the
+    // record's write.
+    let (sent, created) = tokio::join!(
         dispatch(
             ctx,
             session,
@@ -145,6 +146,7 @@ async fn record_and_dispatch(
             record.delivery.as_ref(),
             item_kind::DELIVERY,
         ),
+        ctx.buckets.turns.create(record.id.as_str(), record),
     );
     sent.map_err(DeliveryError::Nats)?;
     // Already there means the transport created it from the command: the same record.

@@ -132,7 +132,7 @@ async fn hold_deliveries(ctx: &Ctx, session: &SessionId) -> Option<DeliveryItem>
     match ctx
         .buckets
         .deliveries
-        .create_over_removed(session.as_str(), &marker)
+        .create(session.as_str(), &marker)
         .await
     {
         Ok(Some(rev)) => Some(DeliveryItem {
