@@ -137,26 +137,23 @@ pub(crate) async fn queue(
             headers.insert(async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, "0");
             let subject = subjects::turn_kv_subject(&turn);
             let body = serde_json::to_vec(&record)?;
-            writes.push(
-                js.publish_with_headers(subject, headers, body.into())
-                    .await?,
-            );
+            let ack = js
+                .publish_with_headers(subject, headers, body.into())
+                .await?;
+            writes.push((s.clone(), record, ack));
             if writes.len() >= PIPELINE {
-                for w in writes.drain(..) {
-                    w.await?;
+                for (s, record, ack) in writes.drain(..) {
+                    // As `session send` queues it: the item says at which revision the
+                    // record was written.
+                    let item = TurnItem::of_record(&record, ack.await?.sequence);
+                    items.push((s, LaneItem::Turn(item)));
                 }
             }
-            items.push((
-                s.clone(),
-                LaneItem::Turn(TurnItem {
-                    turn: turn.clone(),
-                    text,
-                }),
-            ));
         }
     }
-    for w in writes {
-        w.await?;
+    for (s, record, ack) in writes {
+        let item = TurnItem::of_record(&record, ack.await?.sequence);
+        items.push((s, LaneItem::Turn(item)));
     }
     let mut acks = Vec::new();
     let mut turns = Vec::new();

@@ -8,6 +8,7 @@ use crate::delivery::DeliveryItem;
 use crate::envelope::{Envelope, EnvelopeError};
 use crate::ids::{SessionId, TurnId};
 use crate::kv::{Bucket, KvError};
+use crate::records::{KnownTurn, TurnRecord, TurnState};
 use crate::runs::{RunItem, RunRecord};
 
 /// Lane item types (the envelope's `type`).
@@ -21,6 +22,49 @@ pub mod lane_kind {
 pub struct TurnItem {
     pub turn: TurnId,
     pub text: String,
+    /// How the turn's record was written when the item was queued (`session send` writes it
+    /// first): with this item's turn, session and text it is the whole record, so the lane can
+    /// tell the transport its revision ([`TurnItem::known`]). Absent from items queued without
+    /// a record of their own, and from older publishers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recorded: Option<Recorded>,
+}
+
+/// A queued turn record's revision and queue time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Recorded {
+    pub revision: u64,
+    pub queued_at: chrono::DateTime<chrono::Utc>,
+}
+
+impl TurnItem {
+    /// The item for a turn whose queued record was written at `revision`.
+    pub fn of_record(record: &TurnRecord, revision: u64) -> Self {
+        Self {
+            turn: record.id.clone(),
+            text: record.text.clone(),
+            recorded: Some(Recorded {
+                revision,
+                queued_at: record.queued_at,
+            }),
+        }
+    }
+
+    /// The queued record this item was published with, as `session` wrote it, if it says.
+    pub fn known(&self, session: &SessionId) -> Option<KnownTurn> {
+        self.recorded.as_ref().map(|r| KnownTurn {
+            revision: r.revision,
+            record: TurnRecord {
+                id: self.turn.clone(),
+                session: session.clone(),
+                text: self.text.clone(),
+                queued_at: r.queued_at,
+                delivery: None,
+                parent: None,
+                state: TurnState::Queued,
+            },
+        })
+    }
 }
 
 /// What a session's lane carries.
@@ -108,11 +152,43 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_turn_item_of_a_record_gives_that_record_back() {
+        let s = SessionId::new();
+        let record = TurnRecord {
+            id: TurnId::new(),
+            session: s.clone(),
+            text: "hello".into(),
+            queued_at: chrono::Utc::now(),
+            delivery: None,
+            parent: None,
+            state: TurnState::Queued,
+        };
+        let item = LaneItem::Turn(TurnItem::of_record(&record, 7));
+        let bytes = item.to_envelope(&s).expect("env").encode().expect("bytes");
+        let LaneItem::Turn(back) = LaneItem::decode(&bytes, &s).expect("decode") else {
+            panic!("not a turn item");
+        };
+        assert_eq!(
+            back.known(&s),
+            Some(KnownTurn {
+                revision: 7,
+                record
+            })
+        );
+        let plain = TurnItem {
+            recorded: None,
+            ..back
+        };
+        assert_eq!(plain.known(&s), None, "no record, no revision");
+    }
+
+    #[test]
     fn lane_items_refuse_foreign_sessions_and_types() {
         let s = SessionId::new();
         let item = LaneItem::Turn(TurnItem {
             turn: TurnId::new(),
             text: "hello".into(),
+            recorded: None,
         });
         let bytes = item.to_envelope(&s).expect("env").encode().expect("bytes");
         assert_eq!(LaneItem::decode(&bytes, &s).expect("decode"), item);

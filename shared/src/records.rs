@@ -215,6 +215,20 @@ pub struct TurnCommand {
     /// (R14).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery: Option<Carried>,
+    /// The turn's record as the lane knows it stands, queued, and its revision: the transport
+    /// records the turn `running` over that revision without reading it first. A record that
+    /// moved on meanwhile makes that write lose, and the transport reads it then. Absent when
+    /// the lane does not know the revision (a delivery turn, whose record it writes beside the
+    /// command), and from older lanes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub known: Option<KnownTurn>,
+}
+
+/// A turn record and the revision it was written at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KnownTurn {
+    pub revision: u64,
+    pub record: TurnRecord,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -297,40 +297,89 @@ async fn handle_turn(ctx: &Ctx, msg: jetstream::Message, cmd: TurnCommand) {
 
 /// Runs the turn to a recorded outcome. `Err` means nothing durable happened yet: retry.
 async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared::kv::KvError> {
-    let key = cmd.turn.as_str();
-    let (record, revision) = match ctx.buckets.turns.get::<TurnRecord>(key).await? {
-        Some(r) => r,
-        None => {
-            let fresh = TurnRecord {
-                id: cmd.turn.clone(),
-                session: cmd.session.clone(),
-                text: cmd.text.clone(),
-                queued_at: Utc::now(),
-                // A delivery's command overtook the lane's write of its record: this is
-                // the record the lane writes (same carried list), whichever lands first.
-                delivery: cmd.delivery.clone(),
-                parent: None,
-                state: TurnState::Queued,
-            };
-            match ctx.buckets.turns.create(key, &fresh).await? {
-                Some(revision) => (fresh, revision),
-                // Created meanwhile by the lane (a redelivery): read what it wrote. Absent
-                // again means it was deleted between the two: retry, never drop the command.
-                None => ctx
-                    .buckets
-                    .turns
-                    .get::<TurnRecord>(key)
-                    .await?
-                    .ok_or_else(|| turnstile_shared::kv::KvError::Contended {
-                        bucket: subjects::TURNS_BUCKET.to_string(),
-                        key: key.to_string(),
-                        attempts: 1,
-                    })?,
-            }
+    // The lane's word for the record, when it says it stands queued at a revision: recorded
+    // running over that revision with no read first. A record that moved on meanwhile makes
+    // that write lose before anything is typed, and the turn is driven from a read instead.
+    let known = cmd.known.as_ref().filter(|k| {
+        k.record.id == cmd.turn
+            && k.record.session == cmd.session
+            && k.record.state == TurnState::Queued
+    });
+    if let Some(k) = known {
+        match drive_from(ctx, cmd, k.record.clone(), k.revision).await? {
+            Driven::Done => return Ok(()),
+            Driven::Moved => {}
         }
+    }
+    let (record, revision) = current(ctx, cmd).await?;
+    match drive_from(ctx, cmd, record, revision).await? {
+        Driven::Done => Ok(()),
+        // Someone else moved the turn on; start over from what is recorded then.
+        Driven::Moved => Err(turnstile_shared::kv::KvError::Contended {
+            bucket: subjects::TURNS_BUCKET.to_string(),
+            key: cmd.turn.to_string(),
+            attempts: 1,
+        }),
+    }
+}
+
+/// How far [`drive_from`] took a turn.
+enum Driven {
+    /// Its outcome is recorded (or it was not this transport's to run).
+    Done,
+    /// The record was not at the revision it was read at when the transport came to record
+    /// it running: nothing was typed.
+    Moved,
+}
+
+/// The turn's record and revision: read, or created from the command when the lane's write
+/// has not landed yet.
+async fn current(
+    ctx: &Ctx,
+    cmd: &TurnCommand,
+) -> Result<(TurnRecord, u64), turnstile_shared::kv::KvError> {
+    let key = cmd.turn.as_str();
+    if let Some(found) = ctx.buckets.turns.get::<TurnRecord>(key).await? {
+        return Ok(found);
+    }
+    let fresh = TurnRecord {
+        id: cmd.turn.clone(),
+        session: cmd.session.clone(),
+        text: cmd.text.clone(),
+        queued_at: Utc::now(),
+        // A delivery's command overtook the lane's write of its record: this is the record
+        // the lane writes (same carried list), whichever lands first.
+        delivery: cmd.delivery.clone(),
+        parent: None,
+        state: TurnState::Queued,
     };
+    match ctx.buckets.turns.create(key, &fresh).await? {
+        Some(revision) => Ok((fresh, revision)),
+        // Created meanwhile by the lane (a redelivery): read what it wrote. Absent again
+        // means it was deleted between the two: retry, never drop the command.
+        None => ctx
+            .buckets
+            .turns
+            .get::<TurnRecord>(key)
+            .await?
+            .ok_or_else(|| turnstile_shared::kv::KvError::Contended {
+                bucket: subjects::TURNS_BUCKET.to_string(),
+                key: key.to_string(),
+                attempts: 1,
+            }),
+    }
+}
+
+/// Runs the turn from its record as it stood at `revision`.
+async fn drive_from(
+    ctx: &Ctx,
+    cmd: &TurnCommand,
+    record: TurnRecord,
+    revision: u64,
+) -> Result<Driven, turnstile_shared::kv::KvError> {
+    let key = cmd.turn.as_str();
     if record.state.is_terminal() {
-        return Ok(());
+        return Ok(Driven::Done);
     }
     if record.session != cmd.session {
         let detail = format!(
@@ -338,11 +387,11 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
             record.id, record.session, cmd.session
         );
         tracing::warn!(detail, "refusing turn command");
-        return Ok(());
+        return Ok(Driven::Done);
     }
     let (spec, adapter) = match turn_target(ctx, cmd).await {
         Ok(t) => t,
-        Err(end) => return record_end(ctx, &record, end).await,
+        Err(end) => return record_end(ctx, &record, end).await.map(|()| Driven::Done),
     };
     let mut written = None;
     let end = match &record.state {
@@ -365,11 +414,11 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
         }
         _ => {
             if let Err(end) = ensure_ready(ctx, &spec).await {
-                return record_end(ctx, &record, end).await;
+                return record_end(ctx, &record, end).await.map(|()| Driven::Done);
             }
             let mark = match adapter.mark(&spec).await {
                 Ok(m) => m,
-                Err(end) => return record_end(ctx, &record, end).await,
+                Err(end) => return record_end(ctx, &record, end).await.map(|()| Driven::Done),
             };
             let running = TurnRecord {
                 state: TurnState::Running {
@@ -380,12 +429,7 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
                 ..record.clone()
             };
             let Some(rev) = ctx.buckets.turns.update(key, &running, revision).await? else {
-                // Someone else moved the turn on; start over from what is recorded now.
-                return Err(turnstile_shared::kv::KvError::Contended {
-                    bucket: subjects::TURNS_BUCKET.to_string(),
-                    key: key.to_string(),
-                    attempts: 1,
-                });
+                return Ok(Driven::Moved);
             };
             written = Some((running, rev));
             adapter
@@ -401,7 +445,9 @@ async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared
         },
         other => other,
     };
-    record_end_from(ctx, &record, written, end).await
+    record_end_from(ctx, &record, written, end)
+        .await
+        .map(|()| Driven::Done)
 }
 
 /// The session and adapter a turn goes to, or why it cannot go anywhere.

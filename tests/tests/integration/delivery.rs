@@ -321,6 +321,7 @@ async fn command_ahead(stack: &mut Stack) -> Result<()> {
             turn: turn.clone(),
             text: text.into(),
             delivery: Some(carried.clone()),
+            known: None,
         },
     )?
     .with_session(&s)
@@ -352,6 +353,209 @@ async fn command_ahead(stack: &mut Stack) -> Result<()> {
     ensure!(
         crate::stack::count(&transcript, text) == 1,
         "typed once: {transcript:?}"
+    );
+    Ok(())
+}
+
+/// A step started while a turn holds the lane, on an external queue nobody serves (its end is
+/// the test's to make), after which the lane is idle again.
+async fn idle_with_a_step(
+    stack: &Stack,
+    name: &str,
+    queue: &str,
+) -> Result<(
+    turnstile_shared::SessionId,
+    turnstile_shared::execution::ExecutionRecord,
+)> {
+    use turnstile_shared::execution::Scope;
+    use turnstile_shared::step_api::{StartStep, StepKind};
+    let s = stack.create_session(name, None).await?;
+    let holder = stack.send(&s, "hold the lane\n!sleep 2s").await?;
+    stack
+        .wait_turn_state(&holder, Duration::from_secs(20), |r| {
+            matches!(r.state, TurnState::Running { .. })
+        })
+        .await?;
+    let step = stack
+        .start_step(&StartStep {
+            caller: stack.caller(&s).await?,
+            name: format!("{name}-step"),
+            scope: Scope::Run,
+            work: StepKind::External {
+                queue: queue.into(),
+                input: serde_json::Value::Null,
+            },
+            id: None,
+        })
+        .await?;
+    stack.all_complete(&[holder]).await?;
+    turnstile_tests::wait_until("the lane to go idle", Duration::from_secs(20), || async {
+        let v = stack.show(&s).await?;
+        Ok((!v.busy && v.queued == 0).then_some(()))
+    })
+    .await?;
+    Ok((s, step))
+}
+
+/// A router publishes the lane item beside the completion's store, so the item can reach the
+/// lane first: the delivery waits for the completion that armed it (R3) instead of finding
+/// nothing, clearing its marker and leaving the completion behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_that_overtakes_its_completion_waits_for_it() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = item_first(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn item_first(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::delivery::Completion;
+    use turnstile_shared::{arming, subjects, topology};
+    let (s, step) = idle_with_a_step(stack, "overtaken", "nobody").await?;
+    // The broker's half, by hand and out of order: the marker and the item naming the step
+    // first, its completion only once the lane is waiting for it.
+    let js = stack.js_as("notification-broker").await?;
+    let buckets = topology::bind(&js).await?;
+    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s)
+        .await?
+        .context("nothing armed on an idle lane")?;
+    arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
+    let completions = stack.js.get_stream(subjects::COMPLETION_STREAM).await?;
+    turnstile_tests::wait_until(
+        "the delivery to wait for the completion that armed it",
+        Duration::from_secs(10),
+        || async {
+            let info = completions
+                .consumer_info(subjects::completion_consumer(&s))
+                .await?;
+            Ok((info.num_waiting > 0).then_some(()))
+        },
+    )
+    .await?;
+    let record = stack.exec(&step.id).await?.context("the step's record")?;
+    turnstile_shared::events::publish_durable(
+        &js,
+        subjects::completion(&s, &step.id),
+        &Completion::of(&record).envelope(&s)?,
+        None,
+    )
+    .await?;
+    let done = stack
+        .wait_turn(&marker.delivery.turn(), Duration::from_secs(20))
+        .await?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
+    let carried: Vec<_> = done
+        .delivery
+        .iter()
+        .flat_map(|d| d.completions.iter().map(|c| c.execution.clone()))
+        .collect();
+    ensure!(carried == vec![step.id.clone()], "carried {carried:?}");
+    ensure!(
+        listed_steps(&done.text) == vec![step.id.to_string()],
+        "{}",
+        done.text
+    );
+    turnstile_tests::wait_until(
+        "the carried completion acked",
+        Duration::from_secs(20),
+        || async { Ok((crate::stack::completion_backlog(stack, &s).await? == 0).then_some(())) },
+    )
+    .await?;
+    Ok(())
+}
+
+/// A worker's end is recorded beside the store of its message on the ended queue. If that
+/// store failed after the record was written, the worker (told its report failed) reports
+/// again: the report finds the end recorded and stores the message then, so the end is still
+/// routed and its result handed over (R3, R14).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_that_finds_its_end_recorded_but_not_queued_queues_it() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = recorded_not_queued(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn recorded_not_queued(stack: &mut Stack) -> Result<()> {
+    use futures::StreamExt;
+    use turnstile_shared::envelope::Envelope;
+    use turnstile_shared::execution::{ExecStatus, ExecutionRecord, StepResult};
+    use turnstile_shared::principal::Principal;
+    use turnstile_shared::step_api::{Report, ReportAck, StepReport, StepWorkItem};
+    use turnstile_shared::subjects::api as subj;
+    use turnstile_shared::topology::{self, TopologyConfig};
+    let (s, step) = idle_with_a_step(stack, "requeued", "requeue").await?;
+    // The worker: takes the work, reports it started.
+    let consumer =
+        topology::ensure_step_external_consumer(&stack.js, &TopologyConfig::default(), "requeue")
+            .await?;
+    let mut work = consumer.messages().await?;
+    let msg = tokio::time::timeout(Duration::from_secs(10), work.next())
+        .await
+        .context("the step's work")?
+        .context("work stream ended")??;
+    let item: StepWorkItem = Envelope::decode(&msg.payload)?.data_as()?;
+    let subject = Principal::Step(item.step.clone()).steps(subj::REPORT);
+    let report_as_worker = |report: Report| {
+        let req = StepReport {
+            step: item.step.clone(),
+            token: item.token.clone(),
+            report,
+        };
+        let client = stack.client.clone();
+        let subject = subject.clone();
+        async move {
+            turnstile_shared::api::call::<_, ReportAck>(&client, &subject, &req, crate::stack::API)
+                .await
+        }
+    };
+    report_as_worker(Report::Started {
+        worker: "w1".into(),
+    })
+    .await?;
+    // Its end recorded as the broker records it, with no message on the ended queue: what a
+    // store that failed beside the write leaves.
+    let result = StepResult {
+        exit_code: Some(0),
+        summary: "done".into(),
+        output: vec![],
+    };
+    let kv = stack
+        .js_as("notification-broker")
+        .await?
+        .get_key_value(turnstile_shared::subjects::EXECUTIONS_BUCKET)
+        .await?;
+    let entry = kv
+        .entry(step.id.as_str())
+        .await?
+        .context("the step's record")?;
+    let mut record: ExecutionRecord = serde_json::from_slice(&entry.value)?;
+    ensure!(
+        matches!(record.status, ExecStatus::Running { .. }),
+        "{:?}",
+        record.status
+    );
+    record.status = ExecStatus::Completed {
+        started_at: record.status.started_at(),
+        ended_at: chrono::Utc::now(),
+        result: result.clone(),
+    };
+    kv.update(
+        step.id.as_str(),
+        serde_json::to_vec(&record)?.into(),
+        entry.revision,
+    )
+    .await?;
+    // The worker reports again; its result reaches the owner.
+    let ack = report_as_worker(Report::Completed { result }).await?;
+    ensure!(ack.stop && ack.status == "completed", "{ack:?}");
+    let delivered = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
+    ensure!(
+        listed_steps(&delivered[0].text) == vec![step.id.to_string()],
+        "{}",
+        delivered[0].text
     );
     Ok(())
 }

@@ -80,3 +80,82 @@ async fn a_removed_marker_leaves_nothing_behind_and_a_live_one_is_never_written_
     }
     Ok(())
 }
+
+/// A deliveries bucket an older build provisioned denies message deletes, and the server
+/// never lifts that on an update. Until provisioning runs again a marker is removed through
+/// the KV (a removal marker stays behind); provisioning makes the bucket again, once, and
+/// markers are then removed by sequence.
+#[tokio::test]
+async fn a_deliveries_bucket_that_denies_deletes_is_made_again_by_provisioning() -> Result<()> {
+    let nats = NatsServer::start().await?;
+    let client = async_nats::connect(nats.url()).await?;
+    let js = async_nats::jetstream::new(client);
+    let old = js
+        .create_key_value(async_nats::jetstream::kv::Config {
+            bucket: subjects::DELIVERIES_BUCKET.into(),
+            history: 1,
+            ..Default::default()
+        })
+        .await?;
+    let stream = subjects::DELIVERIES_KV_STREAM;
+    ensure!(
+        js.get_stream(stream)
+            .await?
+            .cached_info()
+            .config
+            .deny_delete,
+        "an older build's bucket denies deletes"
+    );
+    let before = turnstile_shared::kv::Bucket::new(old, subjects::DELIVERIES_BUCKET, js.clone());
+    let key = SessionId::new().to_string();
+    let rev = before.create(&key, &marker()).await?.context("created")?;
+    ensure!(
+        before.remove_revision(&key, rev).await?,
+        "removed through the KV on a bucket that denies deletes"
+    );
+    ensure!(
+        before.get::<DeliveryMarker>(&key).await?.is_none(),
+        "the removed marker reads back"
+    );
+
+    topology::provision(&js, &TopologyConfig::default()).await?;
+    ensure!(
+        !js.get_stream(stream)
+            .await?
+            .cached_info()
+            .config
+            .deny_delete,
+        "provisioning made the bucket allow deletes"
+    );
+    let buckets = topology::bind(&js).await?;
+    let rev = buckets
+        .deliveries
+        .create(&key, &marker())
+        .await?
+        .context("created in the new bucket")?;
+    // Provisioning again keeps the bucket (and its markers).
+    topology::provision(&js, &TopologyConfig::default()).await?;
+    ensure!(
+        buckets
+            .deliveries
+            .get::<DeliveryMarker>(&key)
+            .await?
+            .map(|(_, r)| r)
+            == Some(rev),
+        "provisioning again dropped a live marker"
+    );
+    ensure!(
+        buckets.deliveries.remove_revision(&key, rev).await?,
+        "removed by sequence"
+    );
+    let subject = format!("$KV.{}.{key}", subjects::DELIVERIES_BUCKET);
+    match js
+        .get_stream(stream)
+        .await?
+        .get_last_raw_message_by_subject(&subject)
+        .await
+    {
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(()),
+        other => anyhow::bail!("the key still holds {other:?}"),
+    }
+}

@@ -108,3 +108,120 @@ async fn occupancy(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// The lane tells the transport the revision a queued turn's record was written at, and the
+/// transport records the turn running over it without reading first (one round trip off the
+/// hand-off). A record that moved on since is never written over: the transport drives the
+/// turn from a read, typing a still-queued turn once and an ended one never (R14).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transport_told_a_stale_revision_reads_the_record_and_types_at_most_once() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = stale_revision(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn stale_revision(stack: &mut Stack) -> Result<()> {
+    use anyhow::Context;
+    use turnstile_shared::envelope::Envelope;
+    use turnstile_shared::records::{transport_kind, KnownTurn, TurnCommand, TurnRecord};
+    use turnstile_shared::{subjects, TurnId};
+    let s = stack.create_session("stale", None).await?;
+    // The session's agent is up (its first turn launched it).
+    let first = stack.send(&s, "first").await?;
+    stack.all_complete(&[first]).await?;
+    let host = stack.session_record(&s).await?.host;
+    let lane = stack.js_as("session-lane").await?;
+    let turns = lane.get_key_value(subjects::TURNS_BUCKET).await?;
+    let queued = |turn: &TurnId, text: &str| TurnRecord {
+        id: turn.clone(),
+        session: s.clone(),
+        text: text.into(),
+        queued_at: chrono::Utc::now(),
+        delivery: None,
+        parent: None,
+        state: TurnState::Queued,
+    };
+    let command = |record: &TurnRecord, revision: u64| -> Result<Vec<u8>> {
+        Ok(Envelope::new(
+            transport_kind::TURN,
+            &TurnCommand {
+                session: s.clone(),
+                turn: record.id.clone(),
+                text: record.text.clone(),
+                delivery: None,
+                known: Some(KnownTurn {
+                    revision,
+                    record: record.clone(),
+                }),
+            },
+        )?
+        .with_session(&s)
+        .with_turn(&record.id)
+        .with_id(record.id.to_string())
+        .encode()?
+        .to_vec())
+    };
+
+    // Still queued, written again since the revision the command names.
+    let moved = TurnId::new();
+    let record = queued(&moved, "written twice, typed once");
+    let old = turns
+        .create(moved.as_str(), serde_json::to_vec(&record)?.into())
+        .await?;
+    turns
+        .put(moved.as_str(), serde_json::to_vec(&record)?.into())
+        .await?;
+    // Ended before its command came.
+    let ended = TurnId::new();
+    let mut gone = queued(&ended, "ended before it was typed");
+    let at = turns
+        .create(ended.as_str(), serde_json::to_vec(&gone)?.into())
+        .await?;
+    gone.state = TurnState::Failed {
+        ended_at: chrono::Utc::now(),
+        reason: "session_stopped".into(),
+        detail: "failed before its command came".into(),
+        output: Vec::new(),
+    };
+    turns
+        .update(ended.as_str(), serde_json::to_vec(&gone)?.into(), at)
+        .await?;
+    for payload in [
+        command(&record, old)?,
+        command(&queued(&ended, &gone.text), at)?,
+    ] {
+        lane.publish(subjects::transport(&host, "turn"), payload.into())
+            .await?
+            .await?;
+    }
+    let done = stack.wait_turn(&moved, Duration::from_secs(30)).await?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
+    // Both commands handled (acked): the transport has nothing left of them.
+    let transport = stack.js.get_stream(subjects::TRANSPORT_STREAM).await?;
+    turnstile_tests::wait_until("both commands handled", Duration::from_secs(20), || async {
+        let info = transport
+            .consumer_info(subjects::transport_consumer(&host))
+            .await?;
+        Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
+    })
+    .await?;
+    let transcript = stack.transcript(&s).await?;
+    ensure!(
+        crate::stack::count(&transcript, &record.text) == 1,
+        "the moved turn typed once: {transcript:?}"
+    );
+    ensure!(
+        crate::stack::count(&transcript, &gone.text) == 0,
+        "the ended turn typed: {transcript:?}"
+    );
+    let after = stack
+        .turn(&ended)
+        .await?
+        .context("the ended turn's record")?;
+    ensure!(after.state == gone.state, "rewritten: {:?}", after.state);
+    Ok(())
+}

@@ -198,17 +198,18 @@ pub(super) async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, Api
         parent: None,
         state: TurnState::Queued,
     };
-    let record = match ctx
+    let (record, revision) = match ctx
         .buckets
         .turns
         .create(turn.as_str(), &record)
         .await
         .map_err(ApiError::from)?
     {
-        Some(_) => record,
-        // A retry of the same turn id: idempotent, as long as it is the same session's.
+        Some(rev) => (record, Some(rev)),
+        // A retry of the same turn id: idempotent, as long as it is the same session's. Its
+        // record may have moved on: the item says nothing of it.
         None => match ctx.buckets.turns.get::<TurnRecord>(turn.as_str()).await {
-            Ok(Some((r, _))) if r.session == session.id => r,
+            Ok(Some((r, _))) if r.session == session.id => (r, None),
             Ok(_) => return Err(ApiError::bad_request(format!("turn id {turn} is taken"))),
             Err(e) => return Err(ApiError::internal(e)),
         },
@@ -224,12 +225,17 @@ pub(super) async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, Api
     events::publish(&ctx.js, &ev)
         .await
         .map_err(ApiError::internal)?;
-    let item = LaneItem::Turn(TurnItem {
-        turn: turn.clone(),
-        text: req.text,
-    })
-    .to_envelope(&session.id)
-    .map_err(ApiError::internal)?;
+    let item = match revision {
+        Some(rev) => TurnItem::of_record(&record, rev),
+        None => TurnItem {
+            turn: turn.clone(),
+            text: req.text,
+            recorded: None,
+        },
+    };
+    let item = LaneItem::Turn(item)
+        .to_envelope(&session.id)
+        .map_err(ApiError::internal)?;
     events::publish_durable(&ctx.js, subjects::lane(&session.id), &item, None)
         .await
         .map_err(ApiError::internal)?;

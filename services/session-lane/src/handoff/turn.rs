@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::records::{
-    transport_kind, Carried, SessionRecord, TurnCommand, TurnRecord, TurnState,
+    transport_kind, SessionRecord, TurnCommand, TurnRecord, TurnState,
 };
 use turnstile_shared::subjects;
 
@@ -22,21 +22,21 @@ use crate::ctx::Ctx;
 use crate::turn_watch::TurnWaiter;
 
 /// `turn.started` and the transport command, sent together and both acknowledged (R14). The
-/// transport de-duplicates by turn id, so a repeat after a crash never types twice.
+/// transport de-duplicates by turn id, so a repeat after a crash never types twice. The
+/// command's session is the lane's own.
 pub(crate) async fn dispatch(
     ctx: &Ctx,
     session: &SessionRecord,
     msg: &jetstream::Message,
-    turn: &turnstile_shared::TurnId,
-    text: &str,
-    delivery: Option<&Carried>,
+    command: TurnCommand,
     kind: &'static str,
 ) -> Result<(), async_nats::Error> {
+    let turn = command.turn.clone();
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
     let started = session_event(
         EventKind::TurnStarted,
         &session.id,
-        Some(turn),
+        Some(&turn),
         &json!({ "replica": ctx.replica, "host": session.host, "delivery": delivered }),
     )?;
     let event_ack = events::send(&ctx.js, &started).await?;
@@ -44,13 +44,11 @@ pub(crate) async fn dispatch(
         transport_kind::TURN,
         &TurnCommand {
             session: session.id.clone(),
-            turn: turn.clone(),
-            text: text.to_string(),
-            delivery: delivery.cloned(),
+            ..command
         },
     )?
     .with_session(&session.id)
-    .with_turn(turn)
+    .with_turn(&turn)
     .with_id(turn.to_string());
     let command_ack = events::send_to(
         &ctx.js,

@@ -9,7 +9,7 @@ use async_nats::jetstream::{self, AckKind};
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::delivery::{self, Completion, DeliveryItem};
-use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::records::{SessionRecord, TurnCommand, TurnRecord, TurnState};
 use turnstile_shared::TurnId;
 
 use crate::ctx::Ctx;
@@ -48,9 +48,7 @@ pub(super) async fn run_delivery(
                     ctx,
                     session,
                     &msg,
-                    &turn_id,
-                    &record.text,
-                    record.delivery.as_ref(),
+                    command_for(session, &record),
                     item_kind::DELIVERY,
                 )
                 .await
@@ -141,9 +139,7 @@ async fn record_and_dispatch(
             ctx,
             session,
             msg,
-            &record.id,
-            &record.text,
-            record.delivery.as_ref(),
+            command_for(session, record),
             item_kind::DELIVERY,
         ),
         ctx.buckets.turns.create(record.id.as_str(), record),
@@ -154,6 +150,19 @@ async fn record_and_dispatch(
         tracing::warn!(session = %session.id, turn = %record.id, error = %e, "record delivery turn; its transport records it from the command");
     }
     Ok(())
+}
+
+/// A delivery turn's command: its record's text and carried list. No revision: the record is
+/// written beside the command (or, redelivered, read without one to spare), so the transport
+/// reads or creates it.
+fn command_for(session: &SessionRecord, record: &TurnRecord) -> TurnCommand {
+    TurnCommand {
+        session: session.id.clone(),
+        turn: record.id.clone(),
+        text: record.text.clone(),
+        delivery: record.delivery.clone(),
+        known: None,
+    }
 }
 
 async fn retry_later(

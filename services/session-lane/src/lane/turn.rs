@@ -8,7 +8,7 @@ use async_nats::jetstream::{self, AckKind};
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::lane::TurnItem;
-use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::records::{KnownTurn, SessionRecord, TurnCommand, TurnRecord, TurnState};
 
 use crate::ctx::Ctx;
 use crate::handoff::{dispatch, finish, rearm_if_pending, reject, release, wait_terminal};
@@ -28,8 +28,12 @@ pub(super) async fn run_turn(
     // the record (the transport creates or checks it, idempotent by turn id). A redelivery
     // (after a crash or fail-over) looks first: the turn may have ended meanwhile.
     let first_delivery = msg.info().map(|i| i.delivered <= 1).unwrap_or(false);
+    // The record's revision goes to the transport when known to stand queued, so it records
+    // the turn running without reading it: the item's word on a first delivery, the read on
+    // a redelivery.
+    let mut known = item.known(&session.id).filter(|_| first_delivery);
     if !first_delivery {
-        let record = match current_record(ctx, session, &item).await {
+        let (record, revision) = match current_record(ctx, session, &item).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "read turn; retrying");
@@ -44,18 +48,16 @@ pub(super) async fn run_turn(
         if record.state.is_terminal() {
             return finish(ctx, session, &msg, &record).await;
         }
+        known = (record.state == TurnState::Queued).then_some(KnownTurn { revision, record });
     }
-    if let Err(e) = dispatch(
-        ctx,
-        session,
-        &msg,
-        &item.turn,
-        &item.text,
-        None,
-        item_kind::TURN,
-    )
-    .await
-    {
+    let command = TurnCommand {
+        session: session.id.clone(),
+        turn: item.turn.clone(),
+        text: item.text.clone(),
+        delivery: None,
+        known,
+    };
+    if let Err(e) = dispatch(ctx, session, &msg, command, item_kind::TURN).await {
         tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
         let _ = nak(Some(Duration::from_millis(500))).await;
         return;
@@ -72,15 +74,16 @@ pub(super) async fn run_turn(
     }
 }
 
-/// The turn's record; created here for items published straight onto the lane subject.
+/// The turn's record and its revision; created here for items published straight onto the
+/// lane subject.
 async fn current_record(
     ctx: &Ctx,
     session: &SessionRecord,
     item: &TurnItem,
-) -> Result<TurnRecord, turnstile_shared::kv::KvError> {
+) -> Result<(TurnRecord, u64), turnstile_shared::kv::KvError> {
     let key = item.turn.as_str();
-    if let Some((r, _)) = ctx.buckets.turns.get::<TurnRecord>(key).await? {
-        return Ok(r);
+    if let Some(found) = ctx.buckets.turns.get::<TurnRecord>(key).await? {
+        return Ok(found);
     }
     let fresh = TurnRecord {
         id: item.turn.clone(),
@@ -91,12 +94,16 @@ async fn current_record(
         parent: None,
         state: TurnState::Queued,
     };
-    ctx.buckets.turns.create(key, &fresh).await?;
-    Ok(ctx
-        .buckets
+    if let Some(revision) = ctx.buckets.turns.create(key, &fresh).await? {
+        return Ok((fresh, revision));
+    }
+    ctx.buckets
         .turns
         .get::<TurnRecord>(key)
         .await?
-        .map(|(r, _)| r)
-        .unwrap_or(fresh))
+        .ok_or_else(|| turnstile_shared::kv::KvError::Contended {
+            bucket: turnstile_shared::subjects::TURNS_BUCKET.to_string(),
+            key: key.to_string(),
+            attempts: 1,
+        })
 }

@@ -13,7 +13,9 @@ use turnstile_shared::delivery::{self, Completion};
 use turnstile_shared::events::EventKind;
 use turnstile_shared::kv::Change;
 use turnstile_shared::principal::Principal;
-use turnstile_shared::records::{Carried, SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::records::{
+    Carried, KnownTurn, SessionRecord, TurnCommand, TurnRecord, TurnState,
+};
 use turnstile_shared::runs::{run_reason, MessageProgress, RunRecord, RunState};
 use turnstile_shared::step_api::ExecRef;
 use turnstile_shared::subjects;
@@ -309,21 +311,26 @@ impl Driver<'_> {
         held: &[jetstream::Message],
     ) -> Result<Option<TurnRecord>, DriveError> {
         let waiter = self.ctx.turns.wait(turn);
-        let record = self.turn_record(turn).await?.ok_or(DriveError::Gone)?;
+        let (record, revision) = self
+            .ctx
+            .buckets
+            .turns
+            .get::<TurnRecord>(turn.as_str())
+            .await?
+            .ok_or(DriveError::Gone)?;
         if record.state.is_terminal() {
             return Ok(Some(record));
         }
-        dispatch(
-            self.ctx,
-            self.session,
-            self.msg,
-            turn,
-            &record.text,
-            None,
-            item_kind::RUN,
-        )
-        .await
-        .map_err(DriveError::Dispatch)?;
+        let command = TurnCommand {
+            session: self.session.id.clone(),
+            turn: turn.clone(),
+            text: record.text.clone(),
+            delivery: None,
+            known: (record.state == TurnState::Queued).then_some(KnownTurn { revision, record }),
+        };
+        dispatch(self.ctx, self.session, self.msg, command, item_kind::RUN)
+            .await
+            .map_err(DriveError::Dispatch)?;
         Ok(wait_terminal(
             self.ctx,
             self.msg,
