@@ -86,21 +86,38 @@ pub async fn claim(
 }
 
 /// The second half of [`arm`]: the lane item, de-duplicated by the delivery id. `first` names
-/// the execution whose completion armed it, when there is one.
+/// the execution whose completion armed it, when there is one. Returns the item's sequence on
+/// the lane stream.
 pub async fn publish_item(
     js: &jetstream::Context,
     session: &SessionId,
     marker: &DeliveryMarker,
     rev: u64,
     first: Option<&ExecutionId>,
-) -> Result<(), ArmError> {
+) -> Result<u64, ArmError> {
     let item = LaneItem::Delivery(DeliveryItem {
         delivery: marker.delivery.clone(),
         marker_rev: Some(rev),
         first: first.cloned(),
     });
     let env = item.to_envelope(session)?;
-    events::publish_durable(js, subjects::lane(session), &env, None).await?;
+    Ok(events::publish_durable_at(js, subjects::lane(session), &env).await?)
+}
+
+/// Takes back a delivery item published for a session that turned out stopped (its router
+/// publishes the item before the session's read is in): removed from the lane stream by its
+/// sequence, so nothing waits on a lane nobody serves. Gone already is fine.
+pub async fn take_back_item(
+    js: &jetstream::Context,
+    session: &SessionId,
+    seq: u64,
+) -> Result<(), ArmError> {
+    crate::removal::remove(js, subjects::LANE_STREAM, seq)
+        .await
+        .map_err(|e| ArmError::Lane {
+            session: session.clone(),
+            source: e,
+        })?;
     Ok(())
 }
 

@@ -202,14 +202,35 @@ pub async fn publish_durable(
     send_to(js, subject, env, headers).await?.await
 }
 
-/// The one place a JetStream publish is built: payload, optional headers, and the envelope id
-/// as `Nats-Msg-Id`. Returns the acknowledgement to await.
+/// Publishes an enveloped payload on `subject` like [`publish_durable`]; returns the stream
+/// sequence it is stored at (the first copy's, for a repeat the stream dropped).
+pub async fn publish_durable_at(
+    js: &async_nats::jetstream::Context,
+    subject: String,
+    env: &Envelope,
+) -> Result<u64, PublishError> {
+    send_stored(js, subject, env, None).await?.await
+}
+
+/// Sends now and returns the acknowledgement to await (see [`send_stored`]).
 pub async fn send_to(
     js: &async_nats::jetstream::Context,
     subject: String,
     env: &Envelope,
     headers: Option<HeaderMap>,
 ) -> Result<impl std::future::Future<Output = Result<(), PublishError>>, PublishError> {
+    let ack = send_stored(js, subject, env, headers).await?;
+    Ok(async move { ack.await.map(|_| ()) })
+}
+
+/// The one place a JetStream publish is built: payload, optional headers, and the envelope id
+/// as `Nats-Msg-Id`. Returns the acknowledgement to await, which gives the stream sequence.
+pub async fn send_stored(
+    js: &async_nats::jetstream::Context,
+    subject: String,
+    env: &Envelope,
+    headers: Option<HeaderMap>,
+) -> Result<impl std::future::Future<Output = Result<u64, PublishError>>, PublishError> {
     let payload = env.encode()?;
     // Headers first: `headers` replaces the map that `message_id` writes into.
     let mut publish = Publish::build().payload(payload);
@@ -242,7 +263,7 @@ pub async fn send_to(
                 Err(e) => Err(e),
             };
         }
-        result.map(|_| ()).map_err(|e| PublishError::Nats {
+        result.map(|a| a.sequence).map_err(|e| PublishError::Nats {
             subject,
             source: e.into(),
         })

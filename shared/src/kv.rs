@@ -298,37 +298,18 @@ impl Bucket {
     /// already (overwritten, or removed). Only for buckets whose stream allows message deletes
     /// (the deliveries bucket), and for keys nobody watches: no watcher sees this removal.
     pub async fn remove_revision(&self, key: &str, revision: u64) -> Result<bool, KvError> {
-        #[derive(serde::Deserialize)]
-        struct Deleted {
-            #[serde(default)]
-            success: bool,
-        }
-        let subject = format!("STREAM.MSG.DELETE.{}", self.store.stream_name);
-        // `no_erase`: drop it from the index; overwriting its bytes (the API's default) is
-        // for secrets, and costs a rewrite of the block.
-        let request = serde_json::json!({ "seq": revision, "no_erase": true });
-        let response: async_nats::jetstream::response::Response<Deleted> = self
-            .js
-            .request(subject, &request)
+        use crate::removal::{remove, Removed};
+        match remove(&self.js, &self.store.stream_name, revision)
             .await
-            .map_err(|e| self.nats("remove", key, e))?;
-        match response {
-            async_nats::jetstream::response::Response::Ok(d) => Ok(d.success),
-            async_nats::jetstream::response::Response::Err { error }
-                if crate::js_codes::is_message_gone(&error) =>
-            {
-                Ok(false)
-            }
+            .map_err(|e| self.nats("remove", key, e))?
+        {
+            Removed::Now => Ok(true),
+            Removed::Already => Ok(false),
             // A bucket an older build provisioned (until `provision` runs again): removed as
             // a KV delete, leaving its marker.
-            async_nats::jetstream::response::Response::Err { error }
-                if crate::js_codes::is_delete_denied(&error) =>
-            {
+            Removed::Denied => {
                 tracing::debug!(bucket = %self.name, "stream denies message deletes; deleting through the KV");
                 self.delete_at(key, revision).await
-            }
-            async_nats::jetstream::response::Response::Err { error } => {
-                Err(self.nats("remove", key, error))
             }
         }
     }

@@ -46,6 +46,7 @@ pub mod policy;
 pub mod principal;
 pub mod private_file;
 pub mod records;
+pub mod removal;
 pub mod retention;
 pub mod retry;
 pub mod runs;

@@ -239,11 +239,13 @@ impl Role {
                         subjects::LANE_STREAM,
                     ],
                     &[
-                        // A stopped target's delivery marker is removed by sequence.
+                        // A stopped target's delivery marker and lane item are removed by
+                        // sequence.
                         format!(
                             "$JS.API.STREAM.MSG.DELETE.{}",
                             subjects::DELIVERIES_KV_STREAM
                         ),
+                        format!("$JS.API.STREAM.MSG.DELETE.{}", subjects::LANE_STREAM),
                         subjects::COMPLETION_ALL.into(),
                         subjects::STEP_ALL.into(),
                         "ts.lane.>".into(),

@@ -281,8 +281,10 @@ async fn handle_turn(ctx: &Ctx, msg: jetstream::Message, cmd: TurnCommand) {
         }
     };
     match outcome {
+        // Not confirmed: a command whose ack is lost comes back, finds its turn ended and is
+        // only acked again.
         Ok(()) => {
-            if let Err(e) = msg.double_ack().await {
+            if let Err(e) = msg.ack().await {
                 tracing::warn!(turn = %cmd.turn, error = %e, "ack turn command");
             }
         }

@@ -7,6 +7,7 @@ use anyhow::{ensure, Context, Result};
 use turnstile_shared::api::{self, SessionRef};
 use turnstile_shared::records::{reason, SessionRecord, TurnState};
 use turnstile_shared::subjects::{self, api as subj};
+use turnstile_shared::ExecutionId;
 
 use crate::stack::{report, Stack, API};
 
@@ -21,9 +22,28 @@ async fn stop(stack: &mut Stack) -> Result<()> {
     let s = stack.create_session("short-lived", None).await?;
     let keep = stack.create_session("neighbour", None).await?;
     let turns = stack
-        .send_all(&s, &["working\n!sleep 10s", "queued one", "queued two"])
+        .send_all(
+            &s,
+            &[
+                "working\n!step outlives 2s --scope detached\n!sleep 10s",
+                "queued one",
+                "queued two",
+            ],
+        )
         .await?;
     stack.wait_running(&turns[0]).await?;
+    // The detached step it started, which outlives the session.
+    let started = ExecutionId::from(&turns[0]);
+    let outlives =
+        turnstile_tests::wait_until("the step to start", Duration::from_secs(10), || async {
+            Ok(stack
+                .tree(&started)
+                .await?
+                .nodes
+                .first()
+                .map(|n| n.record.id.clone()))
+        })
+        .await?;
     let stopped: SessionRecord = api::call(
         &stack.client,
         subj::SESSION_STOP,
@@ -43,6 +63,29 @@ async fn stop(stack: &mut Stack) -> Result<()> {
             ),
         }
     }
+    // The step ends after the stop. Its completion is kept for operators, but no delivery is
+    // armed on the stopped session's lane (an item its router published before it read the
+    // session's state is taken back).
+    stack
+        .wait_exec(&outlives, Duration::from_secs(20), |r| {
+            r.status.is_terminal()
+        })
+        .await?;
+    let steps = stack.js.get_stream(subjects::STEP_STREAM).await?;
+    turnstile_tests::wait_until("the step's end routed", Duration::from_secs(20), || async {
+        let info = steps.consumer_info(subjects::BROKER_ENDED_CONSUMER).await?;
+        Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
+    })
+    .await?;
+    ensure!(
+        crate::stack::completion_backlog(stack, &s).await? == 1,
+        "the stopped session's completion is kept"
+    );
+    let markers = stack.js.get_key_value(subjects::DELIVERIES_BUCKET).await?;
+    ensure!(
+        markers.get(s.as_str()).await?.is_none(),
+        "a delivery is armed on a stopped session"
+    );
     // Nothing is left on the lane, and its consumer is gone.
     let lane = stack.js.get_stream(subjects::LANE_STREAM).await?;
     ensure!(

@@ -1,13 +1,15 @@
 //! The round trips of routing that do not depend on an end's outcome: each target session's
 //! read and its delivery marker's create (one round trip each: a delivery removes its marker
 //! without leaving a removal behind). They start beside the end's registry write, so routing
-//! finds them done, or nearly, when it stores the completion and publishes the lane item.
+//! finds the create done, or nearly, when it stores the completion and publishes the lane
+//! item; the session read runs on in a task of its own and is waited for only after that.
 //! Every marker they create is owed its item until routing publishes it ([`Early::owed`]): no
 //! marker waits without one.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use tokio::task::JoinHandle;
 use turnstile_shared::delivery::DeliveryMarker;
 use turnstile_shared::kv::KvError;
 use turnstile_shared::records::SessionRecord;
@@ -18,9 +20,14 @@ use crate::Ctx;
 /// A delivery marker this end created, whose item is not out yet.
 pub(super) type Owed = (SessionId, DeliveryMarker, u64);
 
-/// What was done for a target ahead of routing: its session read and a marker create tried.
+/// A target session's read, running on in its own task: routing waits for it only after
+/// the lane item is out (a stopped target's item is then taken back).
+pub(super) type SessionRead = JoinHandle<Result<Option<(SessionRecord, u64)>, KvError>>;
+
+/// What was done for a target ahead of routing: its session read started and a marker
+/// create tried.
 pub(super) struct Ahead {
-    pub active: Result<Option<(SessionRecord, u64)>, KvError>,
+    pub active: SessionRead,
     pub marker: DeliveryMarker,
     pub created: Result<Option<u64>, KvError>,
 }
@@ -69,7 +76,7 @@ impl Early {
             None => {
                 let mut made = ahead(&self.ctx, vec![target.clone()]).await;
                 let a = made.remove(target).unwrap_or_else(|| Ahead {
-                    active: Ok(None),
+                    active: tokio::spawn(async { Ok(None) }),
                     marker: fresh_marker(),
                     created: Ok(None),
                 });
@@ -101,10 +108,11 @@ impl Early {
 async fn ahead(ctx: &Ctx, targets: Vec<SessionId>) -> HashMap<SessionId, Ahead> {
     futures::future::join_all(targets.into_iter().map(|t| async move {
         let marker = fresh_marker();
-        let (active, created) = tokio::join!(
-            ctx.buckets.sessions.get::<SessionRecord>(t.as_str()),
-            ctx.buckets.deliveries.create(t.as_str(), &marker),
-        );
+        let created = ctx.buckets.deliveries.create(t.as_str(), &marker);
+        let sessions = ctx.buckets.sessions.clone();
+        let key = t.to_string();
+        let active = tokio::spawn(async move { sessions.get::<SessionRecord>(&key).await });
+        let created = created.await;
         (
             t,
             Ahead {

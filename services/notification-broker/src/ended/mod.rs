@@ -61,15 +61,17 @@ async fn handle(ctx: &Arc<Ctx>, msg: jetstream::Message) {
         }
     };
     // Recorded already by this replica's report handler (see `inline`): ack if that worked.
+    // Acks here are not confirmed: one that is lost redelivers the end, and recording it again
+    // changes nothing.
     if ctx.inline.outcome(&ended.execution).await == Some(true) {
-        if let Err(e) = msg.double_ack().await {
+        if let Err(e) = msg.ack().await {
             tracing::debug!(execution = %ended.execution, error = %e, "ack end");
         }
         return;
     }
     match record_end(ctx, &ended, None).await {
         Ok(()) => {
-            if let Err(e) = msg.double_ack().await {
+            if let Err(e) = msg.ack().await {
                 tracing::debug!(execution = %ended.execution, error = %e, "ack end");
             }
         }
@@ -94,6 +96,8 @@ enum EndError {
     Envelope(#[from] turnstile_shared::EnvelopeError),
     #[error(transparent)]
     Arm(#[from] arming::ArmError),
+    #[error("read of a target session: {0}")]
+    Task(#[from] tokio::task::JoinError),
 }
 
 /// The end's message to store on the ended queue beside its recording (a worker's report):
@@ -275,15 +279,18 @@ async fn route(
         );
         let decide = async {
             let a = early.take(&target).await;
-            let active = a.active?.is_some_and(|(s, _)| s.is_active());
             let created = a.created?.map(|rev| (a.marker, rev));
-            let mut published = false;
-            if let (true, Some((marker, rev))) = (active, &created) {
-                arming::publish_item(&ctx.js, &target, marker, *rev, Some(&record.id)).await?;
+            // The item first, the session's state after: a stopped target's item is taken
+            // back (below), which costs nothing on the common path.
+            let mut published = None;
+            if let Some((marker, rev)) = &created {
+                let seq =
+                    arming::publish_item(&ctx.js, &target, marker, *rev, Some(&record.id)).await?;
                 // Its item is out: the marker is in use.
                 early.paid(&target);
-                published = true;
+                published = Some(seq);
             }
+            let active = a.active.await??.is_some_and(|(s, _)| s.is_active());
             Ok::<_, EndError>((active, created, published))
         };
         let (stored, decided) = tokio::join!(store, decide);
@@ -292,6 +299,9 @@ async fn route(
         if !active {
             // Kept on TS_COMPLETION for operators; nothing will hand it over.
             early.paid(&target);
+            if let Some(seq) = published {
+                arming::take_back_item(&ctx.js, &target, seq).await?;
+            }
             let claimed = match created {
                 Some(c) => Some(c),
                 None => arming::claim(&ctx.js, &ctx.buckets.deliveries, &target).await?,
@@ -307,7 +317,7 @@ async fn route(
         }
         let claimed = match created {
             Some(c) => {
-                if published && began.elapsed() >= arming::FIRST_WAIT / 2 {
+                if published.is_some() && began.elapsed() >= arming::FIRST_WAIT / 2 {
                     // Stored late: its delivery may have stopped waiting for it and cleared
                     // the marker; if so a new one is armed (else the marker stands).
                     tracing::info!(execution = %record.id, session = %target, "completion stored late; arming again in case its delivery went without it");

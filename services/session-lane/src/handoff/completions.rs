@@ -362,13 +362,12 @@ pub(crate) async fn settle(
 /// Removes carried completions from the work-queue stream by sequence: the ack of a delivery
 /// resumed by another replica, which no longer holds the messages. Idempotent.
 async fn remove_by_seq(ctx: &Ctx, carried: &Carried) {
-    let Ok(stream) = ctx.js.get_stream_no_info(subjects::COMPLETION_STREAM).await else {
-        tracing::warn!("completion stream unavailable; carried completions stay");
-        return;
-    };
     for c in &carried.completions {
-        if let Err(e) = stream.delete_message(c.seq).await {
-            tracing::debug!(execution = %c.execution, seq = c.seq, error = %e, "remove carried completion (gone already?)");
+        match turnstile_shared::removal::remove(&ctx.js, subjects::COMPLETION_STREAM, c.seq).await {
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(execution = %c.execution, seq = c.seq, error = %e, "remove carried completion; it stays pending")
+            }
         }
     }
 }
