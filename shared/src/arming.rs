@@ -49,13 +49,35 @@ pub async fn arm(
     deliveries: &Bucket,
     session: &SessionId,
 ) -> Result<Option<DeliveryId>, ArmError> {
-    match claim(js, deliveries, session).await? {
+    arm_naming(js, deliveries, session, None).await
+}
+
+/// [`arm`], the item naming `first` as the execution whose completion it waits for.
+pub async fn arm_naming(
+    js: &jetstream::Context,
+    deliveries: &Bucket,
+    session: &SessionId,
+    first: Option<&ExecutionId>,
+) -> Result<Option<DeliveryId>, ArmError> {
+    match claim(js, deliveries, session, Trust::YoungMarkers).await? {
         Some((marker, rev)) => {
-            publish_item(js, session, &marker, rev, None).await?;
+            publish_item(js, session, &marker, rev, first).await?;
             Ok(Some(marker.delivery))
         }
         None => Ok(None),
     }
+}
+
+/// How far a claim trusts a marker it finds to have its item on the lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trust {
+    /// A marker younger than [`MARKER_TRUST`] is trusted: its router may still be publishing
+    /// the item, and that router's end is redone if it dies first.
+    YoungMarkers,
+    /// Only the lane is: a repeat of an end may be the only thing left that will publish the
+    /// item (the end's other copy acked, its router dead). A duplicate item is dropped by its
+    /// id, so publishing one that is on its way already costs nothing.
+    OnlyTheLane,
 }
 
 /// The first half of [`arm`]: the marker this caller must publish an item for, if any. Tries
@@ -65,6 +87,7 @@ pub async fn claim(
     js: &jetstream::Context,
     deliveries: &Bucket,
     session: &SessionId,
+    trust: Trust,
 ) -> Result<Option<(DeliveryMarker, u64)>, ArmError> {
     let key = session.as_str();
     let fresh = DeliveryMarker {
@@ -79,7 +102,8 @@ pub async fn claim(
         return Ok(None);
     };
     let age = (Utc::now() - m.armed_at).to_std().unwrap_or_default();
-    if age < MARKER_TRUST || on_lane(js, session, &m.delivery).await? {
+    let young = trust == Trust::YoungMarkers && age < MARKER_TRUST;
+    if young || on_lane(js, session, &m.delivery).await? {
         return Ok(None);
     }
     Ok(Some((m, rev)))

@@ -277,7 +277,8 @@ async fn provision_deliveries(
     let mut stream = bucket_stream(config);
     stream.deny_delete = false;
     if let Ok(old) = js.get_stream(subjects::DELIVERIES_KV_STREAM).await {
-        if old.cached_info().config.deny_delete {
+        let info = old.cached_info();
+        if info.config.deny_delete {
             tracing::info!(
                 stream = subjects::DELIVERIES_KV_STREAM,
                 "made again to allow marker removal by sequence (armed markers dropped)"
@@ -285,6 +286,10 @@ async fn provision_deliveries(
             js.delete_stream(subjects::DELIVERIES_KV_STREAM)
                 .await
                 .map_err(|e| err(e.into()))?;
+            // Its sequences go on where the old stream's ended: a marker is removed by its
+            // revision (its sequence), so a revision an item of the old stream still names
+            // must never come to mean another session's marker.
+            stream.first_sequence = Some(info.state.last_sequence + 1);
         }
     }
     js.create_or_update_stream(stream)

@@ -206,17 +206,17 @@ pub(crate) async fn lane_occupant(
 
 /// Queues the end of an execution for the ended consumer (the one writer of terminal states).
 pub(crate) async fn publish_end(ctx: &Ctx, ended: &Ended) -> Result<(), RegistryError> {
-    publish_end_envelope(ctx, &ended.execution, &ended.envelope()?).await
+    send_end(ctx, ended).await?.await
 }
 
-/// [`publish_end`] of an end already in its envelope.
-pub(crate) async fn publish_end_envelope(
+/// [`publish_end`], sent now: the returned future waits for the stream's acknowledgement.
+pub(crate) async fn send_end(
     ctx: &Ctx,
-    execution: &ExecutionId,
-    env: &turnstile_shared::envelope::Envelope,
-) -> Result<(), RegistryError> {
-    events::publish_durable(&ctx.js, subjects::step_ended(execution), env, None).await?;
-    Ok(())
+    ended: &Ended,
+) -> Result<impl std::future::Future<Output = Result<(), RegistryError>>, RegistryError> {
+    let env = ended.envelope()?;
+    let ack = events::send_to(&ctx.js, subjects::step_ended(&ended.execution), &env, None).await?;
+    Ok(async move { ack.await.map_err(RegistryError::from) })
 }
 
 /// Which descendants a cancellation reaches.

@@ -268,7 +268,10 @@ async fn handle_turn(ctx: &Ctx, msg: jetstream::Message, cmd: TurnCommand) {
     };
     let period = ctx.config.topology.progress_interval();
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    let work = drive_turn(ctx, &cmd);
+    // A command delivered again (a transport that died mid-turn, a lost ack) may carry what
+    // its lane knew before this turn ran: the record is read.
+    let first_delivery = msg.info().map(|i| i.delivered <= 1).unwrap_or(false);
+    let work = drive_turn(ctx, &cmd, first_delivery);
     tokio::pin!(work);
     let outcome = loop {
         tokio::select! {
@@ -298,12 +301,19 @@ async fn handle_turn(ctx: &Ctx, msg: jetstream::Message, cmd: TurnCommand) {
 }
 
 /// Runs the turn to a recorded outcome. `Err` means nothing durable happened yet: retry.
-async fn drive_turn(ctx: &Ctx, cmd: &TurnCommand) -> Result<(), turnstile_shared::kv::KvError> {
-    // The lane's word for the record, when it says it stands queued at a revision: recorded
-    // running over that revision with no read first. A record that moved on meanwhile makes
-    // that write lose before anything is typed, and the turn is driven from a read instead.
+async fn drive_turn(
+    ctx: &Ctx,
+    cmd: &TurnCommand,
+    first_delivery: bool,
+) -> Result<(), turnstile_shared::kv::KvError> {
+    // The lane's word for the record, when it says it stands queued at a revision and this is
+    // the command's first delivery: recorded running over that revision with no read first. A
+    // record that moved on meanwhile makes that write lose before anything is typed, and the
+    // turn is driven from a read instead. (Getting the agent ready comes before that write:
+    // on a redelivery the turn may be running in the agent, so the record is read first.)
     let known = cmd.known.as_ref().filter(|k| {
-        k.record.id == cmd.turn
+        first_delivery
+            && k.record.id == cmd.turn
             && k.record.session == cmd.session
             && k.record.state == TurnState::Queued
     });

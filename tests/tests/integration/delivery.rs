@@ -415,7 +415,7 @@ async fn item_first(stack: &mut Stack) -> Result<()> {
     // first, its completion only once the lane is waiting for it.
     let js = stack.js_as("notification-broker").await?;
     let buckets = topology::bind(&js).await?;
-    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s)
+    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s, arming::Trust::YoungMarkers)
         .await?
         .context("nothing armed on an idle lane")?;
     arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
@@ -557,5 +557,260 @@ async fn recorded_not_queued(stack: &mut Stack) -> Result<()> {
         "{}",
         delivered[0].text
     );
+    Ok(())
+}
+
+/// A delivery full to the cap before the completion that armed it is stored goes without it,
+/// and the next delivery is armed naming it, so it waits for that completion in turn: a
+/// completion whose item overtook it is never left with nothing armed for it (R3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_full_before_its_completion_arms_the_next_to_wait_for_it() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = full_first(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn full_first(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::delivery::{Completion, DELIVERY_CAP};
+    use turnstile_shared::{arming, subjects, topology, StepId};
+    let (s, step) = idle_with_a_step(stack, "full", "nobody").await?;
+    let js = stack.js_as("notification-broker").await?;
+    // A cap's worth of completions of executions the registry does not know: they fill the
+    // first delivery's fetch, and are refused (R8).
+    for i in 0..DELIVERY_CAP {
+        let bogus = Completion {
+            execution: StepId::new().into(),
+            name: format!("filler-{i}"),
+            status: "completed".into(),
+            summary: String::new(),
+            ended_at: chrono::Utc::now(),
+        };
+        turnstile_shared::events::publish_durable(
+            &js,
+            subjects::completion(&s, &bogus.execution),
+            &bogus.envelope(&s)?,
+            None,
+        )
+        .await?;
+    }
+    let buckets = topology::bind(&js).await?;
+    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s, arming::Trust::YoungMarkers)
+        .await?
+        .context("nothing armed on an idle lane")?;
+    arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
+    // The first delivery refuses the fillers and arms the next, which waits for the step's
+    // completion: only then is it stored.
+    let completions = stack.js.get_stream(subjects::COMPLETION_STREAM).await?;
+    turnstile_tests::wait_until(
+        "the next delivery to wait for the completion",
+        Duration::from_secs(20),
+        || async {
+            let info = completions
+                .consumer_info(subjects::completion_consumer(&s))
+                .await?;
+            Ok((info.num_waiting > 0 && info.num_pending == 0).then_some(()))
+        },
+    )
+    .await?;
+    let record = stack.exec(&step.id).await?.context("the step's record")?;
+    turnstile_shared::events::publish_durable(
+        &js,
+        subjects::completion(&s, &step.id),
+        &Completion::of(&record).envelope(&s)?,
+        None,
+    )
+    .await?;
+    let delivered = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
+    ensure!(
+        delivered.len() == 1 && listed_steps(&delivered[0].text) == vec![step.id.to_string()],
+        "{delivered:?}"
+    );
+    ensure!(
+        delivered[0].id != marker.delivery.turn(),
+        "carried by the first delivery, which was full"
+    );
+    Ok(())
+}
+
+/// An end recorded again (its message redelivered after a lost ack, the other broker
+/// replica's copy) routes again, which is harmless; but its completion may be handed over
+/// already, so the delivery it arms names nothing to wait for: it must not hold the lane for
+/// a completion that will never come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_end_routed_again_arms_a_delivery_that_waits_for_nothing() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = routed_again(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn routed_again(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::lane::LaneItem;
+    use turnstile_shared::step_api::Ended;
+    use turnstile_shared::subjects;
+    let s = stack.create_session("again", None).await?;
+    let t = stack.send(&s, "!step once 200ms\n!sleep 1s").await?;
+    stack.all_complete(std::slice::from_ref(&t)).await?;
+    let step = stack.tree(&ExecutionId::from(&t)).await?.nodes[0]
+        .record
+        .clone();
+    let first = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
+    ensure!(
+        listed_steps(&first[0].text) == vec![step.id.to_string()],
+        "{}",
+        first[0].text
+    );
+    turnstile_tests::wait_until("the lane to go idle", Duration::from_secs(20), || async {
+        let v = stack.show(&s).await?;
+        Ok((!v.busy && v.queued == 0).then_some(()))
+    })
+    .await?;
+    // The same end again, under another message id (a copy the queue's de-duplication lets
+    // through, as a redelivery is).
+    // The lane frozen, so the item the repeat arms stays on it to be read.
+    let lane_pid = stack
+        .lanes
+        .get("a")
+        .and_then(|p| p.pid())
+        .context("lane pid")?;
+    crate::stack::signal(lane_pid, rustix::process::Signal::STOP)?;
+    let record = stack.exec(&step.id).await?.context("the step's record")?;
+    let again = Ended {
+        execution: step.id.clone(),
+        status: record.status.clone(),
+        known: None,
+    }
+    .envelope()?
+    .with_id(format!("{}:ended-again", step.id));
+    turnstile_shared::events::publish_durable(
+        &stack.js_as("notification-broker").await?,
+        subjects::step_ended(&step.id),
+        &again,
+        None,
+    )
+    .await?;
+    let lanes = stack.js.get_stream(subjects::LANE_STREAM).await?;
+    let item = turnstile_tests::wait_until(
+        "the repeat's delivery item",
+        Duration::from_secs(20),
+        || async {
+            Ok(lanes
+                .direct_get_first_for_subject(subjects::lane(&s))
+                .await
+                .ok())
+        },
+    )
+    .await;
+    crate::stack::signal(lane_pid, rustix::process::Signal::CONT)?;
+    match LaneItem::decode(&item?.payload, &s)? {
+        LaneItem::Delivery(item) => ensure!(
+            item.first.is_none(),
+            "the repeat's delivery waits for {:?}, handed over already",
+            item.first
+        ),
+        other => anyhow::bail!("expected a delivery item, got {other:?}"),
+    }
+    // Nothing is handed over twice.
+    turnstile_tests::wait_until("the lane to go idle", Duration::from_secs(20), || async {
+        let v = stack.show(&s).await?;
+        Ok((!v.busy && v.queued == 0).then_some(()))
+    })
+    .await?;
+    let delivered = stack.delivery_turns(&s).await?;
+    ensure!(delivered.len() == 1, "{delivered:?}");
+    Ok(())
+}
+
+/// A report whose end the ended queue refuses to store is answered `unavailable` (which every
+/// worker retries), not as a final refusal: the worker reports again once the queue takes
+/// messages, and that report stores the end it finds recorded. The result reaches the owner
+/// once (R3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_whose_end_cannot_be_stored_is_retried_not_refused() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = store_refused(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn store_refused(stack: &mut Stack) -> Result<()> {
+    use futures::StreamExt;
+    use turnstile_shared::api::ErrorCode;
+    use turnstile_shared::envelope::Envelope;
+    use turnstile_shared::execution::StepResult;
+    use turnstile_shared::principal::Principal;
+    use turnstile_shared::step_api::{Report, ReportAck, StepReport, StepWorkItem};
+    use turnstile_shared::subjects::{self, api as subj};
+    use turnstile_shared::topology::{self, TopologyConfig};
+    let (s, step) = idle_with_a_step(stack, "refused-store", "refused").await?;
+    let consumer =
+        topology::ensure_step_external_consumer(&stack.js, &TopologyConfig::default(), "refused")
+            .await?;
+    let mut work = consumer.messages().await?;
+    let msg = tokio::time::timeout(Duration::from_secs(10), work.next())
+        .await
+        .context("the step's work")?
+        .context("work stream ended")??;
+    let item: StepWorkItem = Envelope::decode(&msg.payload)?.data_as()?;
+    let subject = Principal::Step(item.step.clone()).steps(subj::REPORT);
+    let report_as_worker = |report: Report| {
+        let req = StepReport {
+            step: item.step.clone(),
+            token: item.token.clone(),
+            report,
+        };
+        let client = stack.client.clone();
+        let subject = subject.clone();
+        async move {
+            turnstile_shared::api::call::<_, ReportAck>(&client, &subject, &req, crate::stack::API)
+                .await
+        }
+    };
+    report_as_worker(Report::Started {
+        worker: "w1".into(),
+    })
+    .await?;
+    // The ended queue takes nothing an end's size for now.
+    let admin = stack.js_as("admin").await?;
+    let mut steps = admin.get_stream(subjects::STEP_STREAM).await?;
+    let config = steps.info().await?.config.clone();
+    admin
+        .update_stream(async_nats::jetstream::stream::Config {
+            max_message_size: 64,
+            ..config.clone()
+        })
+        .await?;
+    let result = StepResult {
+        exit_code: Some(0),
+        summary: "done".into(),
+        output: vec![],
+    };
+    let refused = report_as_worker(Report::Completed {
+        result: result.clone(),
+    })
+    .await
+    .expect_err("the end could not be stored");
+    ensure!(refused.code == ErrorCode::Unavailable, "{refused}");
+    admin.update_stream(config).await?;
+    let ack = report_as_worker(Report::Completed { result }).await?;
+    ensure!(ack.stop && ack.status == "completed", "{ack:?}");
+    let delivered = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
+    ensure!(
+        listed_steps(&delivered[0].text) == vec![step.id.to_string()],
+        "{}",
+        delivered[0].text
+    );
+    // The end is on the queue now, and taken.
+    turnstile_tests::wait_until("the end stored and taken", Duration::from_secs(20), || {
+        let steps = steps.clone();
+        async move {
+            let ended = steps.consumer_info(subjects::BROKER_ENDED_CONSUMER).await?;
+            Ok((ended.delivered.stream_sequence > 0
+                && ended.num_pending == 0
+                && ended.num_ack_pending == 0)
+                .then_some(()))
+        }
+    })
+    .await?;
+    let once = stack.delivery_turns(&s).await?;
+    ensure!(once.len() == 1, "handed over once: {once:?}");
     Ok(())
 }

@@ -148,6 +148,59 @@ async fn transport_killed(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
+/// A turn's command carries its queued record's revision, which spares the transport a read on
+/// the hand-off. The command a restarted transport gets again still carries it, though the
+/// turn is running in the agent: the record is read first, so the agent's busy pane is never
+/// taken for one that does not come ready (a turn longer than the ready timeout would fail
+/// `parent_transport_unavailable` while the agent works on), and the turn is adopted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_transport_adopts_a_turn_longer_than_the_ready_timeout() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = restarted_long_turn(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn restarted_long_turn(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::api::CreateSession;
+    use turnstile_shared::records::AgentKind;
+    let s = stack
+        .create_session_with(CreateSession {
+            agent: AgentKind::Mock,
+            name: "adopted-long".into(),
+            host: None,
+            cwd: None,
+            id: None,
+            launch: None,
+            ready_timeout_ms: Some(1000),
+            policy: None,
+        })
+        .await?;
+    let texts = ["longer than the ready timeout\n!sleep 6s", "after it"];
+    let turns = stack.send_all(&s, &texts).await?;
+    wait_until(
+        "the agent to receive the long turn",
+        Duration::from_secs(20),
+        || async {
+            Ok(stack
+                .transcript(&s)
+                .await
+                .ok()
+                .filter(|t| t.iter().any(|m| m == texts[0])))
+        },
+    )
+    .await?;
+    stack
+        .transports
+        .get_mut("h1")
+        .context("host h1")?
+        .kill()
+        .await?;
+    stack.spawn_transport("h1")?;
+    stack.all_complete(&turns).await?;
+    stack.typed_exactly_once(&s, &texts).await?;
+    Ok(())
+}
+
 /// A replica stopped gracefully (SIGTERM, as in a rolling upgrade) hands its lanes over at once:
 /// with pin TTL and ack wait of 60 s, the other replica must take the session's queue well
 /// before either could expire.

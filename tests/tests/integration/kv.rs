@@ -118,6 +118,12 @@ async fn a_deliveries_bucket_that_denies_deletes_is_made_again_by_provisioning()
         "the removed marker reads back"
     );
 
+    let last = js
+        .get_stream(stream)
+        .await?
+        .cached_info()
+        .state
+        .last_sequence;
     topology::provision(&js, &TopologyConfig::default()).await?;
     ensure!(
         !js.get_stream(stream)
@@ -127,12 +133,28 @@ async fn a_deliveries_bucket_that_denies_deletes_is_made_again_by_provisioning()
             .deny_delete,
         "provisioning made the bucket allow deletes"
     );
+
     let buckets = topology::bind(&js).await?;
     let rev = buckets
         .deliveries
         .create(&key, &marker())
         .await?
         .context("created in the new bucket")?;
+    // Its sequences go on from the old stream's: a revision an older delivery item names never
+    // comes to mean a marker of the new stream.
+    ensure!(
+        rev > last,
+        "a new marker at revision {rev}, not past {last}"
+    );
+    ensure!(
+        !buckets.deliveries.remove_revision(&key, last).await?
+            && buckets
+                .deliveries
+                .get::<DeliveryMarker>(&key)
+                .await?
+                .is_some(),
+        "an old revision removed a new marker"
+    );
     // Provisioning again keeps the bucket (and its markers).
     topology::provision(&js, &TopologyConfig::default()).await?;
     ensure!(

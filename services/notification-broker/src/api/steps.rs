@@ -21,7 +21,6 @@ use turnstile_shared::step_api::{
 use turnstile_shared::{subjects, ExecutionId, StepId};
 
 use crate::auth::{authenticate, same_secret, Identity};
-use crate::ended::StoreBeside;
 use crate::registry;
 use crate::step_events::step_event;
 use crate::Ctx;
@@ -277,7 +276,10 @@ pub(super) async fn report(
     let (record, revision) =
         read.ok_or_else(|| ApiError::not_found(format!("no step {}", req.step)))?;
     if record.status.is_terminal() {
-        resend_recent_end(&ctx, &record).await?;
+        // A heartbeat is its worker's, which reports its end (and stores it) itself.
+        if !matches!(req.report, Report::Heartbeat) {
+            resend_recent_end(&ctx, &record).await?;
+        }
         return Ok(ack(&record.status));
     }
     match req.report {
@@ -311,25 +313,33 @@ pub(super) async fn report(
     }
 }
 
-/// Records and routes the reported end at once on this replica, and stores it on the ended
-/// queue beside that (durable: the worker may stop reporting once acked); the queued message
-/// is the backstop if the attempt fails or this replica dies (`ended::Inline`). The worker is
-/// answered once the message is stored. A failed store is answered with an error while the
-/// attempt goes on: the worker reports again, and a report that finds the end recorded but
-/// perhaps not queued stores it then ([`resend_recent_end`]).
+/// Records and routes the reported end at once on this replica, beside storing it on the
+/// ended queue (durable: the worker may stop reporting once answered); the queued message is
+/// the backstop if the attempt fails or this replica dies (`ended::Inline`). The message goes on
+/// the wire first and the attempt's write right behind it, so a replica that dies between the
+/// two cannot leave an end recorded without its message (the server takes one connection's
+/// messages in order). A store the server refuses is answered `unavailable` while the attempt
+/// goes on: the worker reports again, and that report finds the end recorded and stores it
+/// then ([`resend_recent_end`]).
 async fn end_now(ctx: &Arc<Ctx>, ended: Ended) -> Result<ReportAck, ApiError> {
     let reply = ack(&ended.status);
-    let env = ended.envelope().map_err(ApiError::internal)?;
-    let (stored, outcome) = tokio::sync::oneshot::channel();
-    ctx.inline
-        .announce(&ended.execution)
-        .start(ctx, ended, StoreBeside { env, stored });
-    match outcome.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => return Err(ApiError::internal(e)),
-        Err(_) => return Err(ApiError::internal("the end's store was abandoned")),
-    }
+    let attempt = ctx.inline.announce(&ended.execution);
+    let stored = match registry::send_end(ctx, &ended).await {
+        Ok(stored) => stored,
+        Err(e) => {
+            attempt.cancel(ctx);
+            return Err(unavailable(e));
+        }
+    };
+    attempt.start(ctx, ended);
+    stored.await.map_err(unavailable)?;
     Ok(reply)
+}
+
+/// A failed store of an end: the reporter should report again (its worker retries
+/// `unavailable`, and gives up on anything else).
+fn unavailable(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Unavailable, format!("store the end: {e}"))
 }
 
 /// How long after an end a report on it stores the end on the ended queue again: well inside
@@ -355,7 +365,7 @@ async fn resend_recent_end(ctx: &Ctx, record: &ExecutionRecord) -> Result<(), Ap
     };
     registry::publish_end(ctx, &ended)
         .await
-        .map_err(ApiError::internal)
+        .map_err(unavailable)
 }
 
 fn ack(status: &ExecStatus) -> ReportAck {

@@ -1,6 +1,7 @@
 //! Ends reported through the step API are recorded and routed at once by the replica that
-//! took the report, beside the store of their message on the ended queue, instead of after
-//! that message's trip back out of the queue: two hops off the completion path. The queued
+//! took the report, beside the store of their message on the ended queue (sent just ahead of
+//! the write), instead of after that message's trip back out of the queue: two hops off the
+//! completion path. The queued
 //! message stays the durable record and the backstop. The consumer that takes it on this
 //! replica waits for the attempt already under way and acks the message if it succeeded, or
 //! records the end itself if it failed; a message taken by another replica (or redelivered
@@ -34,7 +35,7 @@ pub(crate) struct Inline {
 }
 
 /// An attempt announced before its end message is published, so the consumer cannot take
-/// the message without finding it.
+/// the message without finding it, and started once that message is on the wire.
 pub(crate) struct Announced {
     execution: ExecutionId,
     done: watch::Sender<Option<bool>>,
@@ -93,12 +94,11 @@ fn is_entry_of(
 }
 
 impl Announced {
-    /// Records and routes the end now, off the caller's task, storing its message on the
-    /// ended queue beside that (`beside`).
-    pub(crate) fn start(self, ctx: &Arc<Ctx>, ended: Ended, beside: super::StoreBeside) {
+    /// Records and routes the end now, off the caller's task.
+    pub(crate) fn start(self, ctx: &Arc<Ctx>, ended: Ended) {
         let ctx = ctx.clone();
         tokio::spawn(async move {
-            let ok = match super::record_end(&ctx, &ended, Some(beside)).await {
+            let ok = match super::record_end(&ctx, &ended).await {
                 Ok(()) => true,
                 Err(e) => {
                     tracing::debug!(execution = %ended.execution, error = %e, "inline end; its queued message records it");
@@ -115,6 +115,11 @@ impl Announced {
                 ctx.inline.forget(&self.execution, &self.done);
             }
         });
+    }
+
+    /// The end message was not sent: nothing to wait for.
+    pub(crate) fn cancel(self, ctx: &Ctx) {
+        ctx.inline.forget(&self.execution, &self.done);
     }
 }
 

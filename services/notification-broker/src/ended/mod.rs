@@ -5,19 +5,21 @@
 //! crash at any point redoes the idempotent rest (R14). A worker's report is recorded at once
 //! by the replica that took it ([`Inline`]); its queued message is then the backstop.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
+use turnstile_shared::arming::{self, Trust};
 use turnstile_shared::delivery::{self, Completion};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::{exec_reason, ExecKind, ExecStatus, ExecutionRecord};
 use turnstile_shared::kv::Change;
 use turnstile_shared::step_api::{step_kind, Ended};
-use turnstile_shared::{arming, consume, subjects, topology};
+use turnstile_shared::{consume, subjects, topology};
 
 use crate::registry::{self, Reach};
 
@@ -69,7 +71,7 @@ async fn handle(ctx: &Arc<Ctx>, msg: jetstream::Message) {
         }
         return;
     }
-    match record_end(ctx, &ended, None).await {
+    match record_end(ctx, &ended).await {
         Ok(()) => {
             if let Err(e) = msg.ack().await {
                 tracing::debug!(execution = %ended.execution, error = %e, "ack end");
@@ -100,28 +102,7 @@ enum EndError {
     Task(#[from] tokio::task::JoinError),
 }
 
-/// The end's message to store on the ended queue beside its recording (a worker's report):
-/// how the store went is sent back on `stored`.
-pub(crate) struct StoreBeside {
-    pub env: Envelope,
-    pub stored: tokio::sync::oneshot::Sender<Result<(), registry::RegistryError>>,
-}
-
-async fn record_end(
-    ctx: &Arc<Ctx>,
-    ended: &Ended,
-    beside: Option<StoreBeside>,
-) -> Result<(), EndError> {
-    if let Some(b) = beside {
-        // Spawned: it goes on the wire once this task first waits, behind the round trips
-        // routing waits for (the write, the session reads, the marker creates).
-        let ctx = ctx.clone();
-        let execution = ended.execution.clone();
-        tokio::spawn(async move {
-            let r = registry::publish_end_envelope(&ctx, &execution, &b.env).await;
-            let _ = b.stored.send(r);
-        });
-    }
+async fn record_end(ctx: &Arc<Ctx>, ended: &Ended) -> Result<(), EndError> {
     // From the record the reporter read, when it sent it: one write, no read (a conflict
     // re-reads).
     let known = ended
@@ -136,19 +117,30 @@ async fn record_end(
         .filter(|(r, _)| r.kind == ExecKind::Step && !r.status.is_terminal())
         .map(|(r, _)| r.targets())
         .unwrap_or_default();
+    // Whether this call wrote the end (the last decision of the compare-and-set), rather than
+    // finding it recorded: a repeat (a redelivered end, the other replica's copy, a resend)
+    // may route a completion that is long handed over.
+    let wrote = std::sync::atomic::AtomicBool::new(false);
     let write = ctx.buckets.executions.modify_from::<ExecutionRecord, _>(
         ended.execution.as_str(),
         known,
         |cur| match cur {
-            Some(r) if !r.status.is_terminal() => Change::Write(ExecutionRecord {
-                status: with_start(&ended.status, r.status.started_at()),
-                ..r.clone()
-            }),
-            _ => Change::Keep,
+            Some(r) if !r.status.is_terminal() => {
+                wrote.store(true, Ordering::Relaxed);
+                Change::Write(ExecutionRecord {
+                    status: with_start(&ended.status, r.status.started_at()),
+                    ..r.clone()
+                })
+            }
+            _ => {
+                wrote.store(false, Ordering::Relaxed);
+                Change::Keep
+            }
         },
     );
     let (record, mut early) = tokio::join!(write, Early::run(ctx, early_targets));
-    let result = finish_end(ctx, record, ended, &mut early).await;
+    let wrote = wrote.load(Ordering::Relaxed);
+    let result = finish_end(ctx, record, ended, wrote, &mut early).await;
     // Every marker this end created owes its item until routing publishes it; whatever is
     // still owed now (the end did not reach that target, or failed on the way) gets its item
     // here: no marker waits without one.
@@ -160,6 +152,7 @@ async fn finish_end(
     ctx: &Ctx,
     record: Result<Option<ExecutionRecord>, turnstile_shared::kv::KvError>,
     ended: &Ended,
+    wrote: bool,
     early: &mut Early,
 ) -> Result<(), EndError> {
     let record = record?;
@@ -190,7 +183,7 @@ async fn finish_end(
     let mut acks = Vec::new();
     let mut step_event = Some(step_envelope(&record, k)?);
     if delivery::routes_completions(&record) {
-        route(ctx, &record, &mut acks, early, &mut step_event).await?;
+        route(ctx, &record, wrote, &mut acks, early, &mut step_event).await?;
     }
     if let Some(ev) = step_event {
         acks.push(send(ctx, &ev).await?);
@@ -254,15 +247,20 @@ async fn release(ctx: &Ctx, owed: Vec<Owed>) {
 
 /// One completion per target session (owner, then watchers; R8), then a delivery armed for
 /// each. Both are idempotent, so a redelivered end repeats them harmlessly. The completion's
-/// store goes out at once; beside it, the target's session read and marker create are
-/// awaited (made ahead, beside the end's write, when the reporter's record named the
-/// targets) and, when this end created the marker, the lane item published. The item may so
-/// reach the lane before the completion is stored: the delivery waits for the completion it
-/// names ([`arming::FIRST_WAIT`]), and a store slower than half that wait arms again in case
-/// the delivery gave up on it first.
+/// store goes out at once; beside it, the target's marker create is awaited (made ahead,
+/// beside the end's write, when the reporter's record named the targets) and, when this end
+/// created the marker and `wrote` the end, the lane item is published naming the execution
+/// (`first`). The item may so reach the lane before the completion is stored: the delivery
+/// waits for the completion it names ([`arming::FIRST_WAIT`]), and a store slower than half
+/// that wait arms again in case the delivery gave up on it first. A repeat of an end already
+/// recorded publishes its item only once the completion is stored, naming nothing: its
+/// completion may be handed over already, and a delivery waiting for it would hold the lane
+/// for nothing. The target session's read is waited for last: a stopped target's item is
+/// taken back.
 async fn route(
     ctx: &Ctx,
     record: &ExecutionRecord,
+    wrote: bool,
     acks: &mut Vec<Ack>,
     early: &mut Early,
     step_event: &mut Option<Envelope>,
@@ -280,10 +278,8 @@ async fn route(
         let decide = async {
             let a = early.take(&target).await;
             let created = a.created?.map(|rev| (a.marker, rev));
-            // The item first, the session's state after: a stopped target's item is taken
-            // back (below), which costs nothing on the common path.
             let mut published = None;
-            if let Some((marker, rev)) = &created {
+            if let (true, Some((marker, rev))) = (wrote, &created) {
                 let seq =
                     arming::publish_item(&ctx.js, &target, marker, *rev, Some(&record.id)).await?;
                 // Its item is out: the marker is in use.
@@ -304,7 +300,15 @@ async fn route(
             }
             let claimed = match created {
                 Some(c) => Some(c),
-                None => arming::claim(&ctx.js, &ctx.buckets.deliveries, &target).await?,
+                None => {
+                    arming::claim(
+                        &ctx.js,
+                        &ctx.buckets.deliveries,
+                        &target,
+                        Trust::OnlyTheLane,
+                    )
+                    .await?
+                }
             };
             if let Some((m, rev)) = claimed {
                 ctx.buckets
@@ -316,8 +320,13 @@ async fn route(
             continue;
         }
         let claimed = match created {
+            Some((marker, rev)) if published.is_none() => {
+                // A repeat: its item after the store, naming nothing.
+                arming::publish_item(&ctx.js, &target, &marker, rev, None).await?;
+                Some((marker, rev))
+            }
             Some(c) => {
-                if published.is_some() && began.elapsed() >= arming::FIRST_WAIT / 2 {
+                if began.elapsed() >= arming::FIRST_WAIT / 2 {
                     // Stored late: its delivery may have stopped waiting for it and cleared
                     // the marker; if so a new one is armed (else the marker stands).
                     tracing::info!(execution = %record.id, session = %target, "completion stored late; arming again in case its delivery went without it");
@@ -328,11 +337,20 @@ async fn route(
                 Some(c)
             }
             // A delivery was armed already: decided again now that the completion is stored,
-            // so one taken by the lane meanwhile cannot have missed it.
+            // so one taken by the lane meanwhile cannot have missed it. The completion is
+            // stored before this item goes out: it names nothing to wait for.
             None => {
-                let claimed = arming::claim(&ctx.js, &ctx.buckets.deliveries, &target).await?;
+                // A first recording trusts a young marker's router; a repeat trusts only the
+                // lane (it may be the last one able to publish that marker's item).
+                let trust = if wrote {
+                    Trust::YoungMarkers
+                } else {
+                    Trust::OnlyTheLane
+                };
+                let claimed =
+                    arming::claim(&ctx.js, &ctx.buckets.deliveries, &target, trust).await?;
                 if let Some((marker, rev)) = &claimed {
-                    arming::publish_item(&ctx.js, &target, marker, *rev, Some(&record.id)).await?;
+                    arming::publish_item(&ctx.js, &target, marker, *rev, None).await?;
                 }
                 claimed
             }

@@ -36,13 +36,20 @@ pub(crate) enum DeliveryError {
 /// Clears the session's marker, then arms the next delivery if completions are pending that
 /// this one did not take (beyond the cap, or stored between its fetch and the clearing: their
 /// routers saw the marker and left them to this delivery). Any completion stored after the
-/// clearing arms a delivery itself.
+/// clearing arms a delivery itself, except the one that armed this delivery when this one
+/// left it out at the cap before it was stored (`unseen`): its router counts on a delivery
+/// waiting for it, so the next one is armed naming it, whatever is pending now.
 pub(crate) async fn disarm_and_recheck(
     ctx: &Ctx,
     session: &SessionId,
     item: &DeliveryItem,
+    unseen: Option<&ExecutionId>,
 ) -> Result<(), DeliveryError> {
     delivery::disarm(&ctx.buckets.deliveries, session, item).await?;
+    if unseen.is_some() {
+        arm(ctx, session, unseen).await;
+        return Ok(());
+    }
     let consumer = ctx.completion_consumer(session).await?;
     let pending = consumer
         .clone()
@@ -54,7 +61,7 @@ pub(crate) async fn disarm_and_recheck(
         })?
         .num_pending;
     if pending > 0 {
-        arm(ctx, session).await;
+        arm(ctx, session, None).await;
     }
     Ok(())
 }
@@ -65,7 +72,17 @@ pub(crate) async fn collect(
     ctx: &Ctx,
     session: &SessionRecord,
 ) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DeliveryError> {
-    collect_expecting(ctx, session, None).await
+    let taken = collect_expecting(ctx, session, None).await?;
+    Ok((taken.carried, taken.held))
+}
+
+/// What a delivery took: the completions it carries and their messages, and the completion
+/// that armed it if it was left out at the cap before it was stored (see
+/// [`disarm_and_recheck`]).
+pub(crate) struct Taken {
+    pub carried: Vec<(Completion, u64)>,
+    pub held: Vec<jetstream::Message>,
+    pub unseen: Option<ExecutionId>,
 }
 
 /// Like [`collect`], with the registry check of `expected` (the execution whose completion
@@ -75,7 +92,7 @@ pub(crate) async fn collect_expecting(
     ctx: &Ctx,
     session: &SessionRecord,
     expected: Option<&ExecutionId>,
-) -> Result<(Vec<(Completion, u64)>, Vec<jetstream::Message>), DeliveryError> {
+) -> Result<Taken, DeliveryError> {
     let early = async {
         match expected {
             Some(e) => Some((e, check(ctx, &session.id, e).await)),
@@ -84,10 +101,12 @@ pub(crate) async fn collect_expecting(
     };
     let (fetched, mut early) = tokio::join!(fetch(ctx, session), early);
     let mut fetched = fetched?;
+    let mut unseen = None;
     if let Some(first) = expected {
-        if fetched.len() < DELIVERY_CAP && !fetched.iter().any(|f| f.completion.execution == *first)
+        if !fetched.iter().any(|f| f.completion.execution == *first)
+            && wait_for(ctx, session, first, &mut fetched).await? == Waited::AtCap
         {
-            wait_for(ctx, session, first, &mut fetched).await?;
+            unseen = Some(first.clone());
         }
     }
     let verdicts = futures::future::join_all(fetched.iter().map(|f| {
@@ -102,7 +121,12 @@ pub(crate) async fn collect_expecting(
         }
     }))
     .await;
-    Ok(keep_admitted(ctx, &session.id, fetched, verdicts).await)
+    let (carried, held) = keep_admitted(ctx, &session.id, fetched, verdicts).await;
+    Ok(Taken {
+        carried,
+        held,
+        unseen,
+    })
 }
 
 /// A pending completion pulled for a turn: its message, its stream sequence and what it
@@ -144,16 +168,26 @@ async fn fetch(ctx: &Ctx, session: &SessionRecord) -> Result<Vec<Fetched>, Deliv
     Ok(fetched)
 }
 
+/// How a wait for the completion that armed a delivery ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Waited {
+    Found,
+    /// The delivery is full: it goes without it, and the next one waits for it.
+    AtCap,
+    /// Not stored within [`arming::FIRST_WAIT`]: its router, that late, arms again.
+    GaveUp,
+}
+
 /// The completion that armed this delivery was not pending yet: its router publishes the
 /// item beside the completion's store, so the item can overtake it. Waits for it (taking
-/// whatever else arrives meanwhile) up to [`arming::FIRST_WAIT`]; past that the delivery
-/// goes on without it, and a router that stored it that late arms again.
+/// whatever else arrives meanwhile) up to [`arming::FIRST_WAIT`], or until the delivery is
+/// full.
 async fn wait_for(
     ctx: &Ctx,
     session: &SessionRecord,
     first: &ExecutionId,
     fetched: &mut Vec<Fetched>,
-) -> Result<(), DeliveryError> {
+) -> Result<Waited, DeliveryError> {
     let consumer = ctx.completion_consumer(&session.id).await?;
     let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
         session: session.id.clone(),
@@ -164,7 +198,7 @@ async fn wait_for(
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if left < std::time::Duration::from_millis(1) {
             tracing::info!(session = %session.id, execution = %first, "the completion that armed this delivery did not arrive; delivering without it");
-            return Ok(());
+            return Ok(Waited::GaveUp);
         }
         let mut batch = consumer
             .batch()
@@ -185,14 +219,14 @@ async fn wait_for(
                         completion,
                     });
                     if found {
-                        return Ok(());
+                        return Ok(Waited::Found);
                     }
                 }
                 Err(reason) => reject(ctx, &session.id, &msg, &reason).await,
             }
         }
     }
-    Ok(())
+    Ok(Waited::AtCap)
 }
 
 /// Keeps what the registry admitted; the rest is retried later or refused (dead-lettered).
@@ -372,12 +406,17 @@ async fn remove_by_seq(ctx: &Ctx, carried: &Carried) {
     }
 }
 
-async fn arm(ctx: &Ctx, session: &SessionId) {
-    arm_with(&ctx.js, &ctx.buckets.deliveries, session).await
+async fn arm(ctx: &Ctx, session: &SessionId, first: Option<&ExecutionId>) {
+    arm_with(&ctx.js, &ctx.buckets.deliveries, session, first).await
 }
 
-async fn arm_with(js: &jetstream::Context, deliveries: &Bucket, session: &SessionId) {
-    match turnstile_shared::arming::arm(js, deliveries, session).await {
+async fn arm_with(
+    js: &jetstream::Context,
+    deliveries: &Bucket,
+    session: &SessionId,
+    first: Option<&ExecutionId>,
+) {
+    match turnstile_shared::arming::arm_naming(js, deliveries, session, first).await {
         Ok(Some(d)) => {
             if let Ok(ev) = session_event(
                 EventKind::DeliveryQueued,
@@ -412,7 +451,7 @@ pub(crate) fn rearm_if_pending(ctx: &Ctx, session: &SessionId) {
             Err(_) => 0,
         };
         if pending > 0 {
-            arm_with(&js, &deliveries, &session).await;
+            arm_with(&js, &deliveries, &session, None).await;
         }
     });
 }

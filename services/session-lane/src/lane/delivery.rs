@@ -41,6 +41,8 @@ pub(super) async fn run_delivery(
             Err(e) => return retry(e.into()).await,
         }
     };
+    // The completion that armed this delivery, left out at the cap before it was stored.
+    let mut unseen = None;
     let (record, held) = match existing {
         Some(record) => {
             if !record.state.is_terminal() {
@@ -59,13 +61,15 @@ pub(super) async fn run_delivery(
             (record, Vec::new())
         }
         None => {
-            let (carried, held) = match collect_expecting(ctx, session, item.first.as_ref()).await {
+            let taken = match collect_expecting(ctx, session, item.first.as_ref()).await {
                 Ok(c) => c,
                 Err(e) => return retry(e).await,
             };
+            let (carried, held) = (taken.carried, taken.held);
+            unseen = taken.unseen;
             if carried.is_empty() {
                 // Nothing (left) to hand over: an earlier delivery took it all.
-                if let Err(e) = disarm_and_recheck(ctx, &session.id, &item).await {
+                if let Err(e) = disarm_and_recheck(ctx, &session.id, &item, unseen.as_ref()).await {
                     return retry(e).await;
                 }
                 let _ = msg.double_ack().await;
@@ -85,7 +89,7 @@ pub(super) async fn run_delivery(
         record
     } else {
         // Off the hand-off path, while the turn runs.
-        if let Err(e) = disarm_and_recheck(ctx, &session.id, &item).await {
+        if let Err(e) = disarm_and_recheck(ctx, &session.id, &item, unseen.as_ref()).await {
             tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "clear delivery marker; a stale marker is re-armed by the next completion");
         }
         match wait_terminal(ctx, &msg, &session.host, &turn_id, waiter, cancel, &held).await {

@@ -76,7 +76,7 @@ pub(super) async fn run_run(
                 return retry(&msg, &item, &e.to_string()).await;
             }
             if let Some(m) = marker {
-                if let Err(e) = disarm_and_recheck(ctx, &session.id, &m).await {
+                if let Err(e) = disarm_and_recheck(ctx, &session.id, &m, None).await {
                     tracing::warn!(run = %item.run, error = %e, "release delivery marker");
                 }
             }
