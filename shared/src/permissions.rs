@@ -246,6 +246,10 @@ impl Role {
                             subjects::DELIVERIES_KV_STREAM
                         ),
                         format!("$JS.API.STREAM.MSG.DELETE.{}", subjects::LANE_STREAM),
+                        // A report's end, once recorded by the replica that took the report,
+                        // is removed from the ended queue before another replica records it
+                        // again.
+                        format!("$JS.API.STREAM.MSG.DELETE.{}", subjects::STEP_STREAM),
                         subjects::COMPLETION_ALL.into(),
                         subjects::STEP_ALL.into(),
                         "ts.lane.>".into(),

@@ -206,16 +206,18 @@ pub(crate) async fn lane_occupant(
 
 /// Queues the end of an execution for the ended consumer (the one writer of terminal states).
 pub(crate) async fn publish_end(ctx: &Ctx, ended: &Ended) -> Result<(), RegistryError> {
-    send_end(ctx, ended).await?.await
+    send_end(ctx, ended).await?.await.map(|_| ())
 }
 
-/// [`publish_end`], sent now: the returned future waits for the stream's acknowledgement.
+/// [`publish_end`], sent now: the returned future waits for the stream's acknowledgement and
+/// gives the message's sequence on the ended queue.
 pub(crate) async fn send_end(
     ctx: &Ctx,
     ended: &Ended,
-) -> Result<impl std::future::Future<Output = Result<(), RegistryError>>, RegistryError> {
+) -> Result<impl std::future::Future<Output = Result<u64, RegistryError>>, RegistryError> {
     let env = ended.envelope()?;
-    let ack = events::send_to(&ctx.js, subjects::step_ended(&ended.execution), &env, None).await?;
+    let ack =
+        events::send_stored(&ctx.js, subjects::step_ended(&ended.execution), &env, None).await?;
     Ok(async move { ack.await.map_err(RegistryError::from) })
 }
 

@@ -177,3 +177,59 @@ fn the_parser_refuses_what_is_not_exposition() {
     assert!(parse("x_total{a=b} 3\n").is_err());
     assert!(parse("x_total three\n").is_err());
 }
+
+/// With two broker replicas, the replica that takes a worker's report records its end and
+/// removes the end's message; the other replica, given it first, gives it back for a moment
+/// and never records it again: each end is recorded, counted and routed once, not once per
+/// replica that saw its message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_brokers_each_reported_end_is_recorded_once() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = two_brokers(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn two_brokers(stack: &mut Stack) -> Result<()> {
+    stack.spawn_broker("b2")?;
+    let port = *stack.http.get("broker-b2").context("broker-b2's --http")?;
+    turnstile_tests::wait_until("broker b2 ready", Duration::from_secs(20), || async move {
+        Ok((get(port, "/readyz").await.ok().map(|(s, _)| s) == Some(200)).then_some(()))
+    })
+    .await?;
+    let s = stack.create_session("two-brokers", None).await?;
+    const STEPS: usize = 8;
+    for i in 0..STEPS {
+        let t = stack
+            .send(&s, &format!("!step job-{i} 100ms\n!sleep 400ms"))
+            .await?;
+        stack.all_complete(std::slice::from_ref(&t)).await?;
+        crate::stack::wait_deliveries(stack, &s, i + 1, Duration::from_secs(20)).await?;
+    }
+    // Every end's message is gone from the ended queue, one way or the other.
+    let steps = stack
+        .js
+        .get_stream(turnstile_shared::subjects::STEP_STREAM)
+        .await?;
+    turnstile_tests::wait_until("the ended queue drained", Duration::from_secs(20), || {
+        let steps = steps.clone();
+        async move {
+            let info = steps
+                .consumer_info(turnstile_shared::subjects::BROKER_ENDED_CONSUMER)
+                .await?;
+            Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
+        }
+    })
+    .await?;
+    let mut ended = 0.0;
+    let mut routed = 0.0;
+    for broker in ["broker-b1", "broker-b2"] {
+        let samples = scrape(stack, broker).await?;
+        ended += total(&samples, "turnstile_steps_ended_total");
+        routed += total(&samples, "turnstile_completions_routed_total");
+    }
+    ensure!(
+        ended == STEPS as f64 && routed == STEPS as f64,
+        "{STEPS} ends recorded {ended} times and routed {routed} times"
+    );
+    Ok(())
+}

@@ -331,8 +331,10 @@ async fn end_now(ctx: &Arc<Ctx>, ended: Ended) -> Result<ReportAck, ApiError> {
             return Err(unavailable(e));
         }
     };
-    attempt.start(ctx, ended);
-    stored.await.map_err(unavailable)?;
+    let (seq_tx, seq_rx) = tokio::sync::oneshot::channel();
+    attempt.start(ctx, ended, seq_rx);
+    let seq = stored.await.map_err(unavailable)?;
+    let _ = seq_tx.send(seq);
     Ok(reply)
 }
 

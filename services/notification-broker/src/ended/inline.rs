@@ -14,16 +14,22 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
+use turnstile_shared::removal::Removed;
 use turnstile_shared::step_api::Ended;
+use turnstile_shared::subjects;
 use turnstile_shared::ExecutionId;
 
 use crate::Ctx;
 
-/// How long an attempt's outcome waits for its message's consumer on this replica; past
-/// this the message went to another replica (which records it again) and the entry is
-/// dropped.
+/// How long an attempt's outcome waits for its message's consumer on this replica when the
+/// message could not be removed; past this the message went to another replica (which
+/// records it again) and the entry is dropped.
 const KEEP: Duration = Duration::from_secs(30);
+
+/// How long another replica's consumer gives a report's end back on its first delivery, so
+/// the replica recording it can remove it first.
+pub(crate) const GRACE: Duration = Duration::from_secs(1);
 
 /// The outcome of an inline attempt: `None` while it runs, then whether it succeeded.
 type Outcome = watch::Receiver<Option<bool>>;
@@ -94,8 +100,9 @@ fn is_entry_of(
 }
 
 impl Announced {
-    /// Records and routes the end now, off the caller's task.
-    pub(crate) fn start(self, ctx: &Arc<Ctx>, ended: Ended) {
+    /// Records and routes the end now, off the caller's task. `stored` gives the end
+    /// message's sequence on the ended queue once it is stored.
+    pub(crate) fn start(self, ctx: &Arc<Ctx>, ended: Ended, stored: oneshot::Receiver<u64>) {
         let ctx = ctx.clone();
         tokio::spawn(async move {
             let ok = match super::record_end(&ctx, &ended).await {
@@ -108,18 +115,40 @@ impl Announced {
             drop(ended);
             let _ = self.done.send(Some(ok));
             // Taken already by this replica's consumer (the common case): nothing to keep.
-            // Otherwise kept for the consumer a while (or, if the message was never stored,
-            // until nobody could come for it).
-            if ctx.inline.holds(&self.execution, &self.done) {
-                tokio::time::sleep(KEEP).await;
-                ctx.inline.forget(&self.execution, &self.done);
+            if !ctx.inline.holds(&self.execution, &self.done) {
+                return;
             }
+            // Not taken here: it waits on the queue, or another replica was given it (which
+            // gives it back for a moment, `GRACE`). Recorded: the message is removed, so it
+            // is not recorded again (an empty delivery for every such copy). Otherwise, or if
+            // it cannot be removed, kept for the consumer a while.
+            if ok && remove(&ctx, stored).await {
+                ctx.inline.forget(&self.execution, &self.done);
+                return;
+            }
+            tokio::time::sleep(KEEP).await;
+            ctx.inline.forget(&self.execution, &self.done);
         });
     }
 
     /// The end message was not sent: nothing to wait for.
     pub(crate) fn cancel(self, ctx: &Ctx) {
         ctx.inline.forget(&self.execution, &self.done);
+    }
+}
+
+/// Removes a recorded end's message from the ended queue; whether it is gone.
+async fn remove(ctx: &Ctx, stored: oneshot::Receiver<u64>) -> bool {
+    let Ok(seq) = stored.await else {
+        return false;
+    };
+    match turnstile_shared::removal::remove(&ctx.js, subjects::STEP_STREAM, seq).await {
+        Ok(Removed::Now | Removed::Already) => true,
+        Ok(Removed::Denied) => false,
+        Err(e) => {
+            tracing::debug!(seq, error = %e, "remove a recorded end's message");
+            false
+        }
     }
 }
 

@@ -65,11 +65,22 @@ async fn handle(ctx: &Arc<Ctx>, msg: jetstream::Message) {
     // Recorded already by this replica's report handler (see `inline`): ack if that worked.
     // Acks here are not confirmed: one that is lost redelivers the end, and recording it again
     // changes nothing.
-    if ctx.inline.outcome(&ended.execution).await == Some(true) {
-        if let Err(e) = msg.ack().await {
-            tracing::debug!(execution = %ended.execution, error = %e, "ack end");
+    match ctx.inline.outcome(&ended.execution).await {
+        Some(true) => {
+            if let Err(e) = msg.ack().await {
+                tracing::debug!(execution = %ended.execution, error = %e, "ack end");
+            }
+            return;
         }
-        return;
+        Some(false) => {}
+        // A report's end, first delivered here, on a replica that made no attempt: the
+        // replica that took the report is recording it right now and removes the message
+        // once it has. Given back for a moment; it comes back only if that did not happen.
+        None if ended.known.is_some() && msg.info().is_ok_and(|i| i.delivered <= 1) => {
+            let _ = msg.ack_with(AckKind::Nak(Some(inline::GRACE))).await;
+            return;
+        }
+        None => {}
     }
     match record_end(ctx, &ended).await {
         Ok(()) => {
