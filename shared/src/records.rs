@@ -209,19 +209,24 @@ pub struct TurnCommand {
     pub session: SessionId,
     pub turn: TurnId,
     pub text: String,
-    /// A delivery turn's carried completions. The lane writes the turn's record and sends
-    /// this command at once; a transport that finds no record yet creates it from the
-    /// command, so either writer records the same carried list before the text is typed
-    /// (R14).
+    /// A delivery turn's carried completions. The transport records them in the turn's record
+    /// before the text is typed (R14); the command, stored before that, holds them durably
+    /// until then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery: Option<Carried>,
     /// The turn's record as the lane knows it stands, queued, and its revision: the transport
     /// records the turn `running` over that revision without reading it first. A record that
     /// moved on meanwhile makes that write lose, and the transport reads it then. Absent when
-    /// the lane does not know the revision (a delivery turn, whose record it writes beside the
-    /// command), and from older lanes.
+    /// the lane does not know the revision, and from older lanes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub known: Option<KnownTurn>,
+    /// The lane wrote no record for this turn (a delivery turn's first attempt): the transport
+    /// creates it, `running`, without reading first. A record there already (another
+    /// attempt's, or the lane's failing of a lapsed host) makes that create lose before
+    /// anything is typed, and the transport reads it then. False from older lanes, which
+    /// write a delivery turn's record beside its command.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unrecorded: bool,
 }
 
 /// A turn record and the revision it was written at.

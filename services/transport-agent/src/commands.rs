@@ -318,13 +318,19 @@ async fn drive_turn(
             && k.record.state == TurnState::Queued
     });
     if let Some(k) = known {
-        match drive_from(ctx, cmd, k.record.clone(), k.revision).await? {
+        match drive_from(ctx, cmd, k.record.clone(), Base::At(k.revision)).await? {
+            Driven::Done => return Ok(()),
+            Driven::Moved => {}
+        }
+    } else if first_delivery && cmd.unrecorded {
+        // The lane wrote no record (a delivery turn): created running, with no read first.
+        match drive_from(ctx, cmd, from_command(cmd), Base::Absent).await? {
             Driven::Done => return Ok(()),
             Driven::Moved => {}
         }
     }
     let (record, revision) = current(ctx, cmd).await?;
-    match drive_from(ctx, cmd, record, revision).await? {
+    match drive_from(ctx, cmd, record, Base::At(revision)).await? {
         Driven::Done => Ok(()),
         // Someone else moved the turn on; start over from what is recorded then.
         Driven::Moved => Err(turnstile_shared::kv::KvError::Contended {
@@ -339,9 +345,32 @@ async fn drive_turn(
 enum Driven {
     /// Its outcome is recorded (or it was not this transport's to run).
     Done,
-    /// The record was not at the revision it was read at when the transport came to record
-    /// it running: nothing was typed.
+    /// The record was not where [`drive_from`] was told it stood when the transport came to
+    /// record it running: nothing was typed.
     Moved,
+}
+
+/// Where the turn's record stands for [`drive_from`]'s write of it running.
+#[derive(Clone, Copy)]
+enum Base {
+    /// At this revision: recorded running by compare-and-set.
+    At(u64),
+    /// Not written: recorded running by a create.
+    Absent,
+}
+
+/// The turn's record as its command describes it, queued: what the transport records when
+/// no record is there (a delivery turn's carried list included).
+fn from_command(cmd: &TurnCommand) -> TurnRecord {
+    TurnRecord {
+        id: cmd.turn.clone(),
+        session: cmd.session.clone(),
+        text: cmd.text.clone(),
+        queued_at: Utc::now(),
+        delivery: cmd.delivery.clone(),
+        parent: None,
+        state: TurnState::Queued,
+    }
 }
 
 /// The turn's record and revision: read, or created from the command when the lane's write
@@ -354,17 +383,9 @@ async fn current(
     if let Some(found) = ctx.buckets.turns.get::<TurnRecord>(key).await? {
         return Ok(found);
     }
-    let fresh = TurnRecord {
-        id: cmd.turn.clone(),
-        session: cmd.session.clone(),
-        text: cmd.text.clone(),
-        queued_at: Utc::now(),
-        // A delivery's command overtook the lane's write of its record: this is the record
-        // the lane writes (same carried list), whichever lands first.
-        delivery: cmd.delivery.clone(),
-        parent: None,
-        state: TurnState::Queued,
-    };
+    // A delivery turn's record is the transport's to write (or, from an older lane, its
+    // command overtook the lane's write of the same record, whichever lands first).
+    let fresh = from_command(cmd);
     match ctx.buckets.turns.create(key, &fresh).await? {
         Some(revision) => Ok((fresh, revision)),
         // Created meanwhile by the lane (a redelivery): read what it wrote. Absent again
@@ -382,12 +403,12 @@ async fn current(
     }
 }
 
-/// Runs the turn from its record as it stood at `revision`.
+/// Runs the turn from its record as it stood at `base`.
 async fn drive_from(
     ctx: &Ctx,
     cmd: &TurnCommand,
     record: TurnRecord,
-    revision: u64,
+    base: Base,
 ) -> Result<Driven, turnstile_shared::kv::KvError> {
     let key = cmd.turn.as_str();
     if record.state.is_terminal() {
@@ -440,7 +461,11 @@ async fn drive_from(
                 },
                 ..record.clone()
             };
-            let Some(rev) = ctx.buckets.turns.update(key, &running, revision).await? else {
+            let stored = match base {
+                Base::At(revision) => ctx.buckets.turns.update(key, &running, revision).await?,
+                Base::Absent => ctx.buckets.turns.create(key, &running).await?,
+            };
+            let Some(rev) = stored else {
                 return Ok(Driven::Moved);
             };
             written = Some((running, rev));

@@ -322,6 +322,7 @@ async fn command_ahead(stack: &mut Stack) -> Result<()> {
             text: text.into(),
             delivery: Some(carried.clone()),
             known: None,
+            unrecorded: false,
         },
     )?
     .with_session(&s)
@@ -812,5 +813,197 @@ async fn store_refused(stack: &mut Stack) -> Result<()> {
     .await?;
     let once = stack.delivery_turns(&s).await?;
     ensure!(once.len() == 1, "handed over once: {once:?}");
+    Ok(())
+}
+
+/// A delivery's first command asks the transport to record the turn itself (the lane writes
+/// no record: one round trip off the completion path). The transport creates it running,
+/// with the command's carried list, before it types (R14); a record already there (another
+/// attempt's, here one already ended) makes that create lose, and nothing is typed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unrecorded_delivery_is_recorded_by_its_transport_and_an_ended_one_never_typed(
+) -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = unrecorded(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn unrecorded(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::envelope::Envelope;
+    use turnstile_shared::records::{
+        transport_kind, Carried, CarriedCompletion, TurnCommand, TurnRecord,
+    };
+    use turnstile_shared::{subjects, DeliveryId, StepId};
+    let s = stack.create_session("unrecorded", None).await?;
+    let first = stack.send(&s, "first").await?;
+    stack.all_complete(&[first]).await?;
+    let host = stack.session_record(&s).await?.host;
+    let lane = stack.js_as("session-lane").await?;
+    let carried = || Carried {
+        delivery: DeliveryId::new(),
+        completions: vec![CarriedCompletion {
+            execution: StepId::new().into(),
+            seq: 1,
+        }],
+    };
+    let command = |carried: &Carried, text: &str| -> Result<Vec<u8>> {
+        let turn = carried.delivery.turn();
+        Ok(Envelope::new(
+            transport_kind::TURN,
+            &TurnCommand {
+                session: s.clone(),
+                turn: turn.clone(),
+                text: text.into(),
+                delivery: Some(carried.clone()),
+                known: None,
+                unrecorded: true,
+            },
+        )?
+        .with_session(&s)
+        .with_turn(&turn)
+        .with_id(turn.to_string())
+        .encode()?
+        .to_vec())
+    };
+    let fresh = carried();
+    let fresh_text = "a delivery nobody recorded";
+    let ended = carried();
+    let ended_text = "a delivery ended before its command came";
+    let gone = TurnRecord {
+        id: ended.delivery.turn(),
+        session: s.clone(),
+        text: ended_text.into(),
+        queued_at: chrono::Utc::now(),
+        delivery: Some(ended.clone()),
+        parent: None,
+        state: TurnState::Failed {
+            ended_at: chrono::Utc::now(),
+            reason: "transport_unavailable".into(),
+            detail: "failed before its command came".into(),
+            output: Vec::new(),
+        },
+    };
+    lane.get_key_value(subjects::TURNS_BUCKET)
+        .await?
+        .create(gone.id.as_str(), serde_json::to_vec(&gone)?.into())
+        .await?;
+    for payload in [command(&ended, ended_text)?, command(&fresh, fresh_text)?] {
+        lane.publish(subjects::transport(&host, "turn"), payload.into())
+            .await?
+            .await?;
+    }
+    let done = stack
+        .wait_turn(&fresh.delivery.turn(), Duration::from_secs(30))
+        .await?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
+    ensure!(
+        done.delivery.as_ref() == Some(&fresh),
+        "the transport recorded {:?}, not the command's carried list",
+        done.delivery
+    );
+    let transport = stack.js.get_stream(subjects::TRANSPORT_STREAM).await?;
+    turnstile_tests::wait_until("both commands handled", Duration::from_secs(20), || async {
+        let info = transport
+            .consumer_info(subjects::transport_consumer(&host))
+            .await?;
+        Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
+    })
+    .await?;
+    let transcript = stack.transcript(&s).await?;
+    ensure!(
+        crate::stack::count(&transcript, fresh_text) == 1,
+        "typed once: {transcript:?}"
+    );
+    ensure!(
+        crate::stack::count(&transcript, ended_text) == 0,
+        "the ended delivery typed: {transcript:?}"
+    );
+    let after = stack
+        .turn(&gone.id)
+        .await?
+        .context("the ended delivery's record")?;
+    ensure!(after.state == gone.state, "rewritten: {:?}", after.state);
+    Ok(())
+}
+
+/// The lane writes no record for a delivery turn, so a delivery sent to a host that died
+/// before taking its command has none: the lane records it failed `transport_unavailable`
+/// once the host's heartbeat lapses (R9) instead of waiting on, and its completion stays
+/// pending (R3) until the host is back and a later delivery hands it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_to_a_dead_host_fails_unavailable_and_its_completion_waits() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = dead_host_delivery(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn dead_host_delivery(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::delivery::Completion;
+    use turnstile_shared::{arming, subjects, topology};
+    let (s, step) = idle_with_a_step(stack, "dead-host", "nobody").await?;
+    stack.transports.get_mut("h1").context("h1")?.kill().await?;
+    // The broker's half, by hand: the completion stored, then its marker and item.
+    let js = stack.js_as("notification-broker").await?;
+    let buckets = topology::bind(&js).await?;
+    let record = stack.exec(&step.id).await?.context("the step's record")?;
+    turnstile_shared::events::publish_durable(
+        &js,
+        subjects::completion(&s, &step.id),
+        &Completion::of(&record).envelope(&s)?,
+        None,
+    )
+    .await?;
+    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s, arming::Trust::YoungMarkers)
+        .await?
+        .context("nothing armed on an idle lane")?;
+    arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
+    let failed = stack
+        .wait_turn(&marker.delivery.turn(), Duration::from_secs(30))
+        .await?;
+    match &failed.state {
+        TurnState::Failed { reason, detail, .. } => {
+            ensure!(reason == "transport_unavailable", "{reason}");
+            ensure!(detail.contains("h1"), "{detail}");
+        }
+        other => anyhow::bail!("the dead host's delivery: {other:?}"),
+    }
+    ensure!(
+        failed.delivery.as_ref().map(|d| d.completions.len()) == Some(1),
+        "the failed delivery records what it carried: {:?}",
+        failed.delivery
+    );
+    ensure!(
+        crate::stack::completion_backlog(stack, &s).await? == 1,
+        "the completion of a failed delivery stays pending"
+    );
+    // The host is back: the session's next turn end arms a delivery for what waits.
+    stack.spawn_transport("h1")?;
+    let again = stack.send(&s, "back again").await?;
+    stack.all_complete(&[again]).await?;
+    turnstile_tests::wait_until(
+        "the waiting completion handed over",
+        Duration::from_secs(30),
+        || async { Ok((crate::stack::completion_backlog(stack, &s).await? == 0).then_some(())) },
+    )
+    .await?;
+    let delivered: Vec<_> = stack
+        .delivery_turns(&s)
+        .await?
+        .into_iter()
+        .filter(|d| matches!(d.state, TurnState::Completed { .. }))
+        .collect();
+    ensure!(
+        delivered.len() == 1 && listed_steps(&delivered[0].text) == vec![step.id.to_string()],
+        "handed over once by a later delivery: {delivered:?}"
+    );
+    let transcript = stack.transcript(&s).await?;
+    ensure!(
+        crate::stack::count(&transcript, "back again") == 1,
+        "{transcript:?}"
+    );
     Ok(())
 }

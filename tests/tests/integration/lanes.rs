@@ -153,6 +153,7 @@ async fn stale_revision(stack: &mut Stack) -> Result<()> {
                     revision,
                     record: record.clone(),
                 }),
+                unrecorded: false,
             },
         )?
         .with_session(&s)

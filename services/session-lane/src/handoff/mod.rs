@@ -15,4 +15,4 @@ pub(crate) use completions::{
     collect, collect_expecting, disarm_and_recheck, rearm_if_pending, settle, DeliveryError,
 };
 pub(crate) use item::{reject, release};
-pub(crate) use turn::{dispatch, finish, outcome_event, tell_end, wait_terminal};
+pub(crate) use turn::{dispatch, finish, outcome_event, tell_end, wait_terminal, Watch};

@@ -108,17 +108,41 @@ fn observe_end(record: &TurnRecord) {
     }
 }
 
+/// The turn a lane waits on, on its host.
+#[derive(Clone, Copy)]
+pub(crate) struct Watch<'a> {
+    pub host: &'a turnstile_shared::HostName,
+    pub turn: &'a turnstile_shared::TurnId,
+    /// The record the turn's command asked the transport to write, when the lane wrote
+    /// none: a lapsed host fails the turn by writing it, failed.
+    pub unwritten: Option<&'a TurnRecord>,
+}
+
+impl<'a> Watch<'a> {
+    /// A turn whose record the lane (or its writer before it) wrote.
+    pub fn recorded(
+        host: &'a turnstile_shared::HostName,
+        turn: &'a turnstile_shared::TurnId,
+    ) -> Self {
+        Self {
+            host,
+            turn,
+            unwritten: None,
+        }
+    }
+}
+
 /// Waits for the transport to record the outcome, keeping the item (and `held`, messages the
 /// turn carries) alive with progress acks.
 pub(crate) async fn wait_terminal(
     ctx: &Ctx,
     msg: &jetstream::Message,
-    host: &turnstile_shared::HostName,
-    turn: &turnstile_shared::TurnId,
+    watch: Watch<'_>,
     mut waiter: TurnWaiter,
     cancel: &CancellationToken,
     held: &[jetstream::Message],
 ) -> Option<TurnRecord> {
+    let turn = watch.turn;
     let period = ctx.topology.progress_interval();
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     let mut watching = true;
@@ -152,7 +176,7 @@ pub(crate) async fn wait_terminal(
                 // A host that stopped heartbeating will not record the outcome: the turn
                 // fails with the named error instead of waiting (R9), and only this host's
                 // sessions are touched.
-                if let Some(rec) = fail_if_host_lapsed(ctx, host, turn).await {
+                if let Some(rec) = fail_if_host_lapsed(ctx, watch).await {
                     return Some(rec);
                 }
             }
@@ -160,12 +184,15 @@ pub(crate) async fn wait_terminal(
     }
 }
 
-/// Fails the turn `transport_unavailable` if its host's heartbeat key has lapsed.
-async fn fail_if_host_lapsed(
-    ctx: &Ctx,
-    host: &turnstile_shared::HostName,
-    turn: &turnstile_shared::TurnId,
-) -> Option<TurnRecord> {
+/// Fails the turn `transport_unavailable` if its host's heartbeat key has lapsed. A turn with
+/// no record yet (its command not taken) is recorded failed from the one its command carries;
+/// a transport that comes back then finds it ended and types nothing.
+async fn fail_if_host_lapsed(ctx: &Ctx, watch: Watch<'_>) -> Option<TurnRecord> {
+    let Watch {
+        host,
+        turn,
+        unwritten,
+    } = watch;
     match ctx
         .buckets
         .hosts
@@ -179,7 +206,7 @@ async fn fail_if_host_lapsed(
     let ttl = ctx.topology.host_ttl;
     ctx.buckets
         .turns
-        .modify::<TurnRecord, _>(turn.as_str(), |cur| match cur {
+        .modify::<TurnRecord, _>(turn.as_str(), |cur| match cur.or(unwritten) {
             Some(r) if !r.state.is_terminal() => turnstile_shared::kv::Change::Write(TurnRecord {
                 state: TurnState::Failed {
                     ended_at,

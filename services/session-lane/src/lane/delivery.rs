@@ -1,7 +1,7 @@
 //! A `delivery` lane item (R3): once it holds the lane it takes every pending completion of
 //! the session (up to [`DELIVERY_CAP`]), checks each is addressed to a session that owns or
-//! watches it (R8), records what it carries in its turn record, types them as ONE message,
-//! and acks them only after that turn completed. A failed turn leaves them pending.
+//! watches it (R8), has what it carries recorded in its turn record, types them as ONE
+//! message, and acks them only after that turn completed. A failed turn leaves them pending.
 
 use std::time::Duration;
 
@@ -15,7 +15,7 @@ use turnstile_shared::TurnId;
 use crate::ctx::Ctx;
 use crate::handoff::{
     collect_expecting, disarm_and_recheck, dispatch, finish, release, settle, wait_terminal,
-    DeliveryError,
+    DeliveryError, Watch,
 };
 use turnstile_shared::metrics::item_kind;
 
@@ -29,9 +29,10 @@ pub(super) async fn run_delivery(
     let turn_id = item.delivery.turn();
     let waiter = ctx.turns.wait(&turn_id);
     let retry = |e: DeliveryError| retry_later(&msg, session, &item, e);
-    // A redelivered item finds the turn its earlier attempt recorded (it, or the transport
-    // from its command) and finishes that one. A first delivery cannot have one yet: only
-    // this attempt's write or its command creates it (hot path: no read).
+    // A redelivered item finds the turn its earlier attempt's command had recorded (by the
+    // transport, or by this lane failing a lapsed host) and finishes that one. A first
+    // delivery cannot have one yet: only this attempt's command creates it (hot path: no
+    // read).
     let first_delivery = msg.info().map(|i| i.delivered <= 1).unwrap_or(false);
     let existing = if first_delivery {
         None
@@ -43,6 +44,8 @@ pub(super) async fn run_delivery(
     };
     // The completion that armed this delivery, left out at the cap before it was stored.
     let mut unseen = None;
+    // The record this attempt's command asks the transport to write, if nobody wrote one.
+    let mut unwritten = None;
     let (record, held) = match existing {
         Some(record) => {
             if !record.state.is_terminal() {
@@ -50,7 +53,7 @@ pub(super) async fn run_delivery(
                     ctx,
                     session,
                     &msg,
-                    command_for(session, &record),
+                    command_for(session, &record, false),
                     item_kind::DELIVERY,
                 )
                 .await
@@ -76,12 +79,14 @@ pub(super) async fn run_delivery(
                 return;
             }
             let record = carrying(session, &turn_id, &item, &carried);
-            if let Err(e) = record_and_dispatch(ctx, session, &msg, &record).await {
+            let command = command_for(session, &record, true);
+            if let Err(e) = dispatch(ctx, session, &msg, command, item_kind::DELIVERY).await {
                 for h in &held {
                     let _ = h.ack_with(AckKind::Nak(None)).await;
                 }
-                return retry(e).await;
+                return retry(DeliveryError::Nats(e)).await;
             }
+            unwritten = Some(record.clone());
             (record, held)
         }
     };
@@ -92,7 +97,12 @@ pub(super) async fn run_delivery(
         if let Err(e) = disarm_and_recheck(ctx, &session.id, &item, unseen.as_ref()).await {
             tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "clear delivery marker; a stale marker is re-armed by the next completion");
         }
-        match wait_terminal(ctx, &msg, &session.host, &turn_id, waiter, cancel, &held).await {
+        let watch = Watch {
+            host: &session.host,
+            turn: &turn_id,
+            unwritten: unwritten.as_ref(),
+        };
+        match wait_terminal(ctx, &msg, watch, waiter, cancel, &held).await {
             Some(r) => r,
             None => {
                 for h in &held {
@@ -124,48 +134,20 @@ fn carrying(
     }
 }
 
-/// Writes the turn's record and dispatches it at once (one round trip, not two). What it
-/// carries is durable before anything is typed either way (R14): the command carries the
-/// list, and a transport that finds no record creates this same one before typing. So the
-/// turn is under way once the command is out, whether or not this write succeeded (the
-/// transport writes it then); only a failed dispatch retries the item, and its redelivery
-/// finds the record if this write landed.
-async fn record_and_dispatch(
-    ctx: &Ctx,
-    session: &SessionRecord,
-    msg: &jetstream::Message,
-    record: &TurnRecord,
-) -> Result<(), DeliveryError> {
-    // The dispatch is polled first, so its event and command are on the wire ahead of the
-    // record's write.
-    let (sent, created) = tokio::join!(
-        dispatch(
-            ctx,
-            session,
-            msg,
-            command_for(session, record),
-            item_kind::DELIVERY,
-        ),
-        ctx.buckets.turns.create(record.id.as_str(), record),
-    );
-    sent.map_err(DeliveryError::Nats)?;
-    // Already there means the transport created it from the command: the same record.
-    if let Err(e) = created {
-        tracing::warn!(session = %session.id, turn = %record.id, error = %e, "record delivery turn; its transport records it from the command");
-    }
-    Ok(())
-}
-
-/// A delivery turn's command: its record's text and carried list. No revision: the record is
-/// written beside the command (or, redelivered, read without one to spare), so the transport
-/// reads or creates it.
-fn command_for(session: &SessionRecord, record: &TurnRecord) -> TurnCommand {
+/// A delivery turn's command: its record's text and carried list. On the item's first
+/// attempt (`unrecorded`) the lane writes no record: the transport records the turn running,
+/// carried list included, before it types anything (R14), and until then the stored command
+/// holds the list durably. The turn is under way once the command is out; only a failed
+/// dispatch retries the item. A redelivered item re-sends the record it found, without a
+/// revision to spare: the transport reads it.
+fn command_for(session: &SessionRecord, record: &TurnRecord, unrecorded: bool) -> TurnCommand {
     TurnCommand {
         session: session.id.clone(),
         turn: record.id.clone(),
         text: record.text.clone(),
         delivery: record.delivery.clone(),
         known: None,
+        unrecorded,
     }
 }
 

@@ -11,7 +11,7 @@ use turnstile_shared::lane::TurnItem;
 use turnstile_shared::records::{KnownTurn, SessionRecord, TurnCommand, TurnRecord, TurnState};
 
 use crate::ctx::Ctx;
-use crate::handoff::{dispatch, finish, rearm_if_pending, reject, release, wait_terminal};
+use crate::handoff::{dispatch, finish, rearm_if_pending, reject, release, wait_terminal, Watch};
 use turnstile_shared::metrics::item_kind;
 
 /// Serves one `turn` item to its end (or gives it back when the replica stops).
@@ -56,13 +56,15 @@ pub(super) async fn run_turn(
         text: item.text.clone(),
         delivery: None,
         known,
+        unrecorded: false,
     };
     if let Err(e) = dispatch(ctx, session, &msg, command, item_kind::TURN).await {
         tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
         let _ = nak(Some(Duration::from_millis(500))).await;
         return;
     }
-    match wait_terminal(ctx, &msg, &session.host, &item.turn, waiter, cancel, &[]).await {
+    let watch = Watch::recorded(&session.host, &item.turn);
+    match wait_terminal(ctx, &msg, watch, waiter, cancel, &[]).await {
         Some(record) => {
             finish(ctx, session, &msg, &record).await;
             if ctx.left_pending(&session.id) {

@@ -23,7 +23,7 @@ use turnstile_shared::{DeliveryId, ExecutionId, TurnId};
 
 use super::events::event;
 use crate::ctx::Ctx;
-use crate::handoff::{dispatch, settle, tell_end, wait_terminal, DeliveryError};
+use crate::handoff::{dispatch, settle, tell_end, wait_terminal, DeliveryError, Watch};
 use turnstile_shared::metrics::item_kind;
 
 /// How long a call to the broker's exec API may take.
@@ -327,6 +327,7 @@ impl Driver<'_> {
             text: record.text.clone(),
             delivery: None,
             known: (record.state == TurnState::Queued).then_some(KnownTurn { revision, record }),
+            unrecorded: false,
         };
         dispatch(self.ctx, self.session, self.msg, command, item_kind::RUN)
             .await
@@ -334,8 +335,7 @@ impl Driver<'_> {
         Ok(wait_terminal(
             self.ctx,
             self.msg,
-            &self.session.host,
-            turn,
+            Watch::recorded(&self.session.host, turn),
             waiter,
             self.cancel,
             held,
