@@ -1,8 +1,10 @@
 //! Completion-to-agent latency with an idle lane: from a worker reporting a step's end to the
 //! lane dispatching the delivery turn that carries it to the transport (when its
-//! `turn.started` event, sent with the transport command, reaches the benchmark). Path: report API, the broker's ended
-//! queue, the registry write, the completion and the delivery item, the lane taking it,
-//! collecting and checking the completion, recording what it carries, dispatch.
+//! `turn.started` event, sent with the transport command, reaches the benchmark). Path: report
+//! API, the broker's ended queue, the registry write, the completion and the delivery item,
+//! the lane taking it, collecting and checking the completion, dispatch. Beside it,
+//! `to_running`: to the transport's write of the turn `running` (the server's time of that
+//! write), right after which it types; this part includes the transport's work on the command.
 
 use std::time::Duration;
 use turnstile_shared::events::EventKind;
@@ -141,6 +143,7 @@ async fn sample(
     // Where the time goes (from event times, millisecond precision): report to recorded end,
     // end to delivery item, item to dispatch.
     let (mut ended_us, mut routed_us, mut lane_us) = (Vec::new(), Vec::new(), Vec::new());
+    let mut running_us = Vec::new();
     for (i, item) in work.iter().enumerate() {
         let t0 = Utc::now();
         let result = StepResult {
@@ -193,7 +196,7 @@ async fn sample(
             }
         };
         // The turn timed is the one that carried this step's completion.
-        let delivery = wait_turn(&mut watch, |r| {
+        let (delivery, written) = wait_turn(&mut watch, |r| {
             r.delivery
                 .as_ref()
                 .is_some_and(|d| d.completions.iter().any(|c| c.execution.as_str() == step))
@@ -210,6 +213,8 @@ async fn sample(
         if i >= WARMUP {
             let us = |d: chrono::TimeDelta| d.num_microseconds().unwrap_or_default() as f64;
             samples.push(us(dispatched - t0));
+            let t0_ns = t0.timestamp_nanos_opt().unwrap_or_default() as i128;
+            running_us.push(((written - t0_ns) / 1000) as f64);
             if let (Some(r), Some(q)) = (recorded, queued) {
                 ended_us.push(us(r - t0));
                 routed_us.push(us(q - r));
@@ -224,6 +229,7 @@ async fn sample(
         wait_idle(&client, &session).await?;
     }
     let mut out = crate::summary(samples);
+    out["to_running"] = crate::summary(running_us);
     out["stages_p50_us"] = serde_json::json!({
         "report_to_recorded_end": crate::summary(ended_us)["p50_us"],
         "recorded_end_to_delivery_item": crate::summary(routed_us)["p50_us"],
@@ -243,10 +249,12 @@ async fn report(client: &async_nats::Client, item: &StepWorkItem, report: Report
     Ok(())
 }
 
+/// The first turn record change satisfying `pred`, and the server's time of that write (Unix
+/// nanoseconds).
 async fn wait_turn(
     watch: &mut async_nats::jetstream::kv::Watch,
     pred: impl Fn(&TurnRecord) -> bool,
-) -> Result<TurnRecord> {
+) -> Result<(TurnRecord, i128)> {
     loop {
         let entry = tokio::time::timeout(CALL, watch.next())
             .await
@@ -254,7 +262,7 @@ async fn wait_turn(
             .context("turn watch ended")??;
         if let Ok(r) = serde_json::from_slice::<TurnRecord>(&entry.value) {
             if pred(&r) {
-                return Ok(r);
+                return Ok((r, entry.created.unix_timestamp_nanos()));
             }
         }
     }

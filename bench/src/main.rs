@@ -158,6 +158,10 @@ async fn main() -> Result<()> {
             "p50": ratio_of(&completion, "p50_us"),
             "p99": ratio_of(&completion, "p99_us"),
         },
+        "completion_to_running_over_floor": {
+            "p50": ratio_of(&completion["to_running"], "p50_us"),
+            "p99": ratio_of(&completion["to_running"], "p99_us"),
+        },
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

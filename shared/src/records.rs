@@ -118,6 +118,11 @@ pub mod reason {
     /// The agent's CLI reported the Turnstile MCP server as not connected: its tools (steps,
     /// runs) were unavailable to the turn.
     pub const MCP_UNAVAILABLE: &str = "mcp_unavailable";
+    /// A delivery turn whose lane replica died before it was recorded, and whose redelivery
+    /// found nothing left to carry (what it took was still held by the dead replica): recorded
+    /// failed so the earlier attempt's command is never typed; what it carried is delivered
+    /// again once released.
+    pub const DELIVERY_SUPERSEDED: &str = "delivery_superseded";
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -930,10 +930,12 @@ async fn unrecorded(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// The lane writes no record for a delivery turn, so a delivery sent to a host that died
-/// before taking its command has none: the lane records it failed `transport_unavailable`
-/// once the host's heartbeat lapses (R9) instead of waiting on, and its completion stays
-/// pending (R3) until the host is back and a later delivery hands it over.
+/// The lane leaves a delivery turn's record to its transport, and writes it `queued` itself
+/// only if the transport has not recorded it within a moment (so a lane killed then finds it
+/// on the item's redelivery). A delivery sent to a host that died before taking its command
+/// is recorded so by the lane, then failed `transport_unavailable` once the host's heartbeat
+/// lapses (R9) instead of waited on; its completion stays pending (R3) until the host is back
+/// and a later delivery hands it over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delivery_to_a_dead_host_fails_unavailable_and_its_completion_waits() -> Result<()> {
     let mut stack = Stack::start(&["a"], &["h1"]).await?;
@@ -960,10 +962,27 @@ async fn dead_host_delivery(stack: &mut Stack) -> Result<()> {
     let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s, arming::Trust::YoungMarkers)
         .await?
         .context("nothing armed on an idle lane")?;
+    let turn = marker.delivery.turn();
+    let turns = stack.js.get_key_value(subjects::TURNS_BUCKET).await?;
+    let mut changes = turns.watch_with_history(turn.as_str()).await?;
     arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
-    let failed = stack
-        .wait_turn(&marker.delivery.turn(), Duration::from_secs(30))
-        .await?;
+    let mut states = Vec::new();
+    let failed = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(entry) = futures::StreamExt::next(&mut changes).await {
+            let r: turnstile_shared::records::TurnRecord = serde_json::from_slice(&entry?.value)?;
+            states.push(r.state.name().to_string());
+            if r.state.is_terminal() {
+                return Ok(r);
+            }
+        }
+        anyhow::bail!("the turn watch ended")
+    })
+    .await
+    .context("the dead host's delivery did not end")??;
+    ensure!(
+        states.first().map(String::as_str) == Some("queued"),
+        "the lane records a delivery its transport has not taken: {states:?}"
+    );
     match &failed.state {
         TurnState::Failed { reason, detail, .. } => {
             ensure!(reason == "transport_unavailable", "{reason}");
@@ -1004,6 +1023,109 @@ async fn dead_host_delivery(stack: &mut Stack) -> Result<()> {
     ensure!(
         crate::stack::count(&transcript, "back again") == 1,
         "{transcript:?}"
+    );
+    Ok(())
+}
+
+/// A delivery item redelivered after its lane replica died, finding no record of its turn
+/// and nothing to carry (what the dead replica took is still held by it, or already handed
+/// over): the turn is recorded failed `delivery_superseded` before the item is let go, so a
+/// command its earlier attempt may have dispatched is never typed (R1, R14). Without that
+/// record the lane would move on while that command could still be typed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_delivery_with_nothing_to_carry_is_superseded_not_left_to_type() -> Result<()>
+{
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = superseded(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn superseded(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::envelope::Envelope;
+    use turnstile_shared::records::{reason, transport_kind, Carried, TurnCommand};
+    use turnstile_shared::{arming, subjects, topology};
+    let s = stack.create_session("superseded", None).await?;
+    let warm = stack.send(&s, "warm-up").await?;
+    stack.all_complete(&[warm]).await?;
+    stack.spawn_lane("b")?;
+    turnstile_tests::wait_lanes_pulled(&stack.js, &[&s], 2, Duration::from_secs(20)).await?;
+    // Replica `a` holds the pin: frozen, it is handed the item and never acts on it.
+    let pid = stack
+        .lanes
+        .get("a")
+        .and_then(|p| p.pid())
+        .context("replica a's pid")?;
+    crate::stack::signal(pid, rustix::process::Signal::STOP)?;
+    let js = stack.js_as("notification-broker").await?;
+    let buckets = topology::bind(&js).await?;
+    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s, arming::Trust::YoungMarkers)
+        .await?
+        .context("nothing armed on an idle lane")?;
+    arming::publish_item(&js, &s, &marker, rev, None).await?;
+    let lane = stack.js.get_stream(subjects::LANE_STREAM).await?;
+    turnstile_tests::wait_until(
+        "the frozen replica to be handed the item",
+        Duration::from_secs(10),
+        || async {
+            let info = lane.consumer_info(subjects::lane_consumer(&s)).await?;
+            Ok((info.num_ack_pending == 1).then_some(()))
+        },
+    )
+    .await?;
+    stack
+        .lanes
+        .get_mut("a")
+        .context("replica a")?
+        .kill()
+        .await?;
+    let turn = marker.delivery.turn();
+    let failed = stack.wait_turn(&turn, Duration::from_secs(30)).await?;
+    match &failed.state {
+        TurnState::Failed { reason: r, .. } => {
+            ensure!(r == reason::DELIVERY_SUPERSEDED, "{r}")
+        }
+        other => anyhow::bail!("the redelivered delivery: {other:?}"),
+    }
+    // The command the dead replica's attempt could have sent comes now: never typed.
+    let host = stack.session_record(&s).await?.host;
+    let text = "a superseded delivery";
+    let command = Envelope::new(
+        transport_kind::TURN,
+        &TurnCommand {
+            session: s.clone(),
+            turn: turn.clone(),
+            text: text.into(),
+            delivery: Some(Carried {
+                delivery: marker.delivery.clone(),
+                completions: Vec::new(),
+            }),
+            known: None,
+            unrecorded: true,
+        },
+    )?
+    .with_session(&s)
+    .with_turn(&turn)
+    .with_id(turn.to_string());
+    stack
+        .js_as("session-lane")
+        .await?
+        .publish(subjects::transport(&host, "turn"), command.encode()?)
+        .await?
+        .await?;
+    let after = stack.send(&s, "after it").await?;
+    stack.all_complete(&[after]).await?;
+    let transport = stack.js.get_stream(subjects::TRANSPORT_STREAM).await?;
+    turnstile_tests::wait_until("the command handled", Duration::from_secs(20), || async {
+        let info = transport
+            .consumer_info(subjects::transport_consumer(&host))
+            .await?;
+        Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
+    })
+    .await?;
+    let transcript = stack.transcript(&s).await?;
+    ensure!(
+        crate::stack::count(&transcript, text) == 0,
+        "the superseded delivery typed: {transcript:?}"
     );
     Ok(())
 }

@@ -31,6 +31,8 @@ pub(crate) enum DeliveryError {
     },
     #[error(transparent)]
     Nats(#[from] async_nats::Error),
+    #[error("turn {0} was recorded meanwhile; going on with it")]
+    Recorded(turnstile_shared::TurnId),
 }
 
 /// Clears the session's marker, then arms the next delivery if completions are pending that

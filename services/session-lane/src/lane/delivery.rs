@@ -71,7 +71,14 @@ pub(super) async fn run_delivery(
             let (carried, held) = (taken.carried, taken.held);
             unseen = taken.unseen;
             if carried.is_empty() {
-                // Nothing (left) to hand over: an earlier delivery took it all.
+                // Nothing (left) to hand over: an earlier delivery took it all. Or, redelivered
+                // with no record, what this item's earlier attempt took is still held by its
+                // dead replica, and that attempt's command may still be typed: see `supersede`.
+                if !first_delivery {
+                    if let Err(e) = supersede(ctx, session, &turn_id).await {
+                        return retry(e).await;
+                    }
+                }
                 if let Err(e) = disarm_and_recheck(ctx, &session.id, &item, unseen.as_ref()).await {
                     return retry(e).await;
                 }
@@ -86,6 +93,7 @@ pub(super) async fn run_delivery(
                 }
                 return retry(DeliveryError::Nats(e)).await;
             }
+            backstop_record(ctx, &record);
             unwritten = Some(record.clone());
             (record, held)
         }
@@ -132,6 +140,58 @@ fn carrying(
         parent: None,
         state: TurnState::Queued,
     }
+}
+
+/// A redelivered item found no record of its turn and nothing to carry: its earlier attempt
+/// may have dispatched a command whose batch its dead replica still holds. The turn is
+/// recorded failed first, so that command is never typed (only what a record names is, R14;
+/// and nothing is typed past a lane that moved on, R1). What the dead replica held comes back
+/// pending when its hold lapses, unarmed: the session's next turn end arms a delivery for it
+/// (R3). A record written meanwhile (the transport took the command) is left as it is, and
+/// the item is retried to go on with that turn.
+async fn supersede(ctx: &Ctx, session: &SessionRecord, turn: &TurnId) -> Result<(), DeliveryError> {
+    let now = Utc::now();
+    let failed = TurnRecord {
+        id: turn.clone(),
+        session: session.id.clone(),
+        text: String::new(),
+        queued_at: now,
+        delivery: None,
+        parent: None,
+        state: TurnState::Failed {
+            ended_at: now,
+            reason: turnstile_shared::records::reason::DELIVERY_SUPERSEDED.to_string(),
+            detail: "its lane replica died before it was recorded, and nothing was left to carry"
+                .to_string(),
+            output: Vec::new(),
+        },
+    };
+    ctx.mark_left_pending(&session.id, true);
+    match ctx.buckets.turns.create(turn.as_str(), &failed).await? {
+        Some(_) => Ok(()),
+        None => Err(DeliveryError::Recorded(turn.clone())),
+    }
+}
+
+/// How long after dispatching a delivery turn the lane writes its record itself, `queued`,
+/// in case its transport has not recorded it `running` by then (it takes well under a
+/// millisecond to, when its agent is ready). Past this, a redelivered item finds the record
+/// and goes on with that turn rather than collecting again, however long the transport takes
+/// (an agent launching, a host down).
+const BACKSTOP_AFTER: Duration = Duration::from_millis(100);
+
+/// Writes the delivery turn's record `queued` [`BACKSTOP_AFTER`] its dispatch, unless the
+/// transport wrote it first (the common case: this create loses, and changes nothing). A
+/// transport whose create of it `running` loses to this one reads it and goes on from it.
+fn backstop_record(ctx: &Ctx, record: &TurnRecord) {
+    let turns = ctx.buckets.turns.clone();
+    let record = record.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(BACKSTOP_AFTER).await;
+        if let Err(e) = turns.create(record.id.as_str(), &record).await {
+            tracing::warn!(session = %record.session, turn = %record.id, error = %e, "back-stop record of a delivery turn; its transport records it");
+        }
+    });
 }
 
 /// A delivery turn's command: its record's text and carried list. On the item's first
