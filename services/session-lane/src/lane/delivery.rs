@@ -93,7 +93,7 @@ pub(super) async fn run_delivery(
                 }
                 return retry(DeliveryError::Nats(e)).await;
             }
-            backstop_record(ctx, &record);
+            backstop_record(ctx, &record, waiter.rx.clone());
             unwritten = Some(record.clone());
             (record, held)
         }
@@ -181,13 +181,22 @@ async fn supersede(ctx: &Ctx, session: &SessionRecord, turn: &TurnId) -> Result<
 const BACKSTOP_AFTER: Duration = Duration::from_millis(100);
 
 /// Writes the delivery turn's record `queued` [`BACKSTOP_AFTER`] its dispatch, unless the
-/// transport wrote it first (the common case: this create loses, and changes nothing). A
-/// transport whose create of it `running` loses to this one reads it and goes on from it.
-fn backstop_record(ctx: &Ctx, record: &TurnRecord) {
+/// transport wrote it first. The common case costs nothing: this replica's watch of the turns
+/// has seen the transport's write (`seen`). Otherwise this create loses if it is there all
+/// the same, and changes nothing. A transport whose create of it `running` loses to this one
+/// reads it and goes on from it.
+fn backstop_record(
+    ctx: &Ctx,
+    record: &TurnRecord,
+    seen: tokio::sync::watch::Receiver<Option<TurnRecord>>,
+) {
     let turns = ctx.buckets.turns.clone();
     let record = record.clone();
     tokio::spawn(async move {
         tokio::time::sleep(BACKSTOP_AFTER).await;
+        if seen.borrow().is_some() {
+            return;
+        }
         if let Err(e) = turns.create(record.id.as_str(), &record).await {
             tracing::warn!(session = %record.session, turn = %record.id, error = %e, "back-stop record of a delivery turn; its transport records it");
         }
