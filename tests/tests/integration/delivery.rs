@@ -905,14 +905,7 @@ async fn unrecorded(stack: &mut Stack) -> Result<()> {
         "the transport recorded {:?}, not the command's carried list",
         done.delivery
     );
-    let transport = stack.js.get_stream(subjects::TRANSPORT_STREAM).await?;
-    turnstile_tests::wait_until("both commands handled", Duration::from_secs(20), || async {
-        let info = transport
-            .consumer_info(subjects::transport_consumer(&host))
-            .await?;
-        Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
-    })
-    .await?;
+    stack.wait_commands_handled(&host).await?;
     let transcript = stack.transcript(&s).await?;
     ensure!(
         crate::stack::count(&transcript, fresh_text) == 1,
@@ -1114,14 +1107,7 @@ async fn superseded(stack: &mut Stack) -> Result<()> {
         .await?;
     let after = stack.send(&s, "after it").await?;
     stack.all_complete(&[after]).await?;
-    let transport = stack.js.get_stream(subjects::TRANSPORT_STREAM).await?;
-    turnstile_tests::wait_until("the command handled", Duration::from_secs(20), || async {
-        let info = transport
-            .consumer_info(subjects::transport_consumer(&host))
-            .await?;
-        Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
-    })
-    .await?;
+    stack.wait_commands_handled(&host).await?;
     let transcript = stack.transcript(&s).await?;
     ensure!(
         crate::stack::count(&transcript, text) == 0,

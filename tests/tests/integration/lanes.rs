@@ -202,14 +202,7 @@ async fn stale_revision(stack: &mut Stack) -> Result<()> {
         done.state
     );
     // Both commands handled (acked): the transport has nothing left of them.
-    let transport = stack.js.get_stream(subjects::TRANSPORT_STREAM).await?;
-    turnstile_tests::wait_until("both commands handled", Duration::from_secs(20), || async {
-        let info = transport
-            .consumer_info(subjects::transport_consumer(&host))
-            .await?;
-        Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
-    })
-    .await?;
+    stack.wait_commands_handled(&host).await?;
     let transcript = stack.transcript(&s).await?;
     ensure!(
         crate::stack::count(&transcript, &record.text) == 1,

@@ -645,6 +645,22 @@ impl Stack {
     }
 
     /// Waits until the turn's record satisfies `pred` (e.g. it is being typed).
+    /// Waits until the host's transport has handled (acked) every command it was sent.
+    pub async fn wait_commands_handled(&self, host: &HostName) -> Result<()> {
+        let transport = self.js.get_stream(subjects::TRANSPORT_STREAM).await?;
+        turnstile_tests::wait_until(
+            "the transport's commands handled",
+            Duration::from_secs(20),
+            || async {
+                let info = transport
+                    .consumer_info(subjects::transport_consumer(host))
+                    .await?;
+                Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
+            },
+        )
+        .await
+    }
+
     pub async fn wait_turn_state(
         &self,
         turn: &TurnId,
