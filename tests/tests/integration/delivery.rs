@@ -480,38 +480,12 @@ async fn a_report_that_finds_its_end_recorded_but_not_queued_queues_it() -> Resu
 }
 
 async fn recorded_not_queued(stack: &mut Stack) -> Result<()> {
-    use futures::StreamExt;
-    use turnstile_shared::envelope::Envelope;
     use turnstile_shared::execution::{ExecStatus, ExecutionRecord, StepResult};
-    use turnstile_shared::principal::Principal;
-    use turnstile_shared::step_api::{Report, ReportAck, StepReport, StepWorkItem};
-    use turnstile_shared::subjects::api as subj;
-    use turnstile_shared::topology::{self, TopologyConfig};
+    use turnstile_shared::step_api::Report;
     let (s, step) = idle_with_a_step(stack, "requeued", "requeue").await?;
     // The worker: takes the work, reports it started.
-    let consumer =
-        topology::ensure_step_external_consumer(&stack.js, &TopologyConfig::default(), "requeue")
-            .await?;
-    let mut work = consumer.messages().await?;
-    let msg = tokio::time::timeout(Duration::from_secs(10), work.next())
-        .await
-        .context("the step's work")?
-        .context("work stream ended")??;
-    let item: StepWorkItem = Envelope::decode(&msg.payload)?.data_as()?;
-    let subject = Principal::Step(item.step.clone()).steps(subj::REPORT);
-    let report_as_worker = |report: Report| {
-        let req = StepReport {
-            step: item.step.clone(),
-            token: item.token.clone(),
-            report,
-        };
-        let client = stack.client.clone();
-        let subject = subject.clone();
-        async move {
-            turnstile_shared::api::call::<_, ReportAck>(&client, &subject, &req, crate::stack::API)
-                .await
-        }
-    };
+    let worker = ExternalWorker::take(stack, "requeue").await?;
+    let report_as_worker = |report: Report| worker.report(report);
     report_as_worker(Report::Started {
         worker: "w1".into(),
     })
@@ -733,38 +707,13 @@ async fn a_report_whose_end_cannot_be_stored_is_retried_not_refused() -> Result<
 }
 
 async fn store_refused(stack: &mut Stack) -> Result<()> {
-    use futures::StreamExt;
     use turnstile_shared::api::ErrorCode;
-    use turnstile_shared::envelope::Envelope;
     use turnstile_shared::execution::StepResult;
-    use turnstile_shared::principal::Principal;
-    use turnstile_shared::step_api::{Report, ReportAck, StepReport, StepWorkItem};
-    use turnstile_shared::subjects::{self, api as subj};
-    use turnstile_shared::topology::{self, TopologyConfig};
+    use turnstile_shared::step_api::Report;
+    use turnstile_shared::subjects;
     let (s, step) = idle_with_a_step(stack, "refused-store", "refused").await?;
-    let consumer =
-        topology::ensure_step_external_consumer(&stack.js, &TopologyConfig::default(), "refused")
-            .await?;
-    let mut work = consumer.messages().await?;
-    let msg = tokio::time::timeout(Duration::from_secs(10), work.next())
-        .await
-        .context("the step's work")?
-        .context("work stream ended")??;
-    let item: StepWorkItem = Envelope::decode(&msg.payload)?.data_as()?;
-    let subject = Principal::Step(item.step.clone()).steps(subj::REPORT);
-    let report_as_worker = |report: Report| {
-        let req = StepReport {
-            step: item.step.clone(),
-            token: item.token.clone(),
-            report,
-        };
-        let client = stack.client.clone();
-        let subject = subject.clone();
-        async move {
-            turnstile_shared::api::call::<_, ReportAck>(&client, &subject, &req, crate::stack::API)
-                .await
-        }
-    };
+    let worker = ExternalWorker::take(stack, "refused").await?;
+    let report_as_worker = |report: Report| worker.report(report);
     report_as_worker(Report::Started {
         worker: "w1".into(),
     })
@@ -1114,4 +1063,50 @@ async fn superseded(stack: &mut Stack) -> Result<()> {
         "the superseded delivery typed: {transcript:?}"
     );
     Ok(())
+}
+
+/// A worker on an external queue that took one step's work, reporting on it as any worker
+/// does (through the step report API, with the work's token).
+struct ExternalWorker {
+    client: async_nats::Client,
+    item: turnstile_shared::step_api::StepWorkItem,
+    subject: String,
+}
+
+impl ExternalWorker {
+    async fn take(stack: &Stack, queue: &str) -> Result<Self> {
+        use futures::StreamExt;
+        use turnstile_shared::envelope::Envelope;
+        use turnstile_shared::principal::Principal;
+        use turnstile_shared::subjects::api as subj;
+        use turnstile_shared::topology::{self, TopologyConfig};
+        let consumer =
+            topology::ensure_step_external_consumer(&stack.js, &TopologyConfig::default(), queue)
+                .await?;
+        let mut work = consumer.messages().await?;
+        let msg = tokio::time::timeout(Duration::from_secs(10), work.next())
+            .await
+            .context("the step's work")?
+            .context("work stream ended")??;
+        let item: turnstile_shared::step_api::StepWorkItem =
+            Envelope::decode(&msg.payload)?.data_as()?;
+        let subject = Principal::Step(item.step.clone()).steps(subj::REPORT);
+        Ok(Self {
+            client: stack.client.clone(),
+            item,
+            subject,
+        })
+    }
+
+    async fn report(
+        &self,
+        report: turnstile_shared::step_api::Report,
+    ) -> Result<turnstile_shared::step_api::ReportAck, turnstile_shared::api::ApiError> {
+        let req = turnstile_shared::step_api::StepReport {
+            step: self.item.step.clone(),
+            token: self.item.token.clone(),
+            report,
+        };
+        turnstile_shared::api::call(&self.client, &self.subject, &req, crate::stack::API).await
+    }
 }

@@ -124,25 +124,7 @@ async fn transport_killed(stack: &mut Stack) -> Result<()> {
     let turns = stack.send_all(&s, &texts).await?;
     stack.wait_running(&turns[0]).await?;
     // Kill only once the agent has the message: the restarted transport must not retype it.
-    wait_until(
-        "the agent to receive the long turn",
-        Duration::from_secs(20),
-        || async {
-            Ok(stack
-                .transcript(&s)
-                .await
-                .ok()
-                .filter(|t| t.iter().any(|m| m == texts[0])))
-        },
-    )
-    .await?;
-    stack
-        .transports
-        .get_mut("h1")
-        .context("host h1")?
-        .kill()
-        .await?;
-    stack.spawn_transport("h1")?;
+    restart_transport_once_received(stack, &s, texts[0]).await?;
     stack.all_complete(&turns).await?;
     stack.typed_exactly_once(&s, &texts).await?;
     Ok(())
@@ -177,25 +159,7 @@ async fn restarted_long_turn(stack: &mut Stack) -> Result<()> {
         .await?;
     let texts = ["longer than the ready timeout\n!sleep 6s", "after it"];
     let turns = stack.send_all(&s, &texts).await?;
-    wait_until(
-        "the agent to receive the long turn",
-        Duration::from_secs(20),
-        || async {
-            Ok(stack
-                .transcript(&s)
-                .await
-                .ok()
-                .filter(|t| t.iter().any(|m| m == texts[0])))
-        },
-    )
-    .await?;
-    stack
-        .transports
-        .get_mut("h1")
-        .context("host h1")?
-        .kill()
-        .await?;
-    stack.spawn_transport("h1")?;
+    restart_transport_once_received(stack, &s, texts[0]).await?;
     stack.all_complete(&turns).await?;
     stack.typed_exactly_once(&s, &texts).await?;
     Ok(())
@@ -543,4 +507,32 @@ async fn idle_through_restart(stack: &mut Stack) -> Result<()> {
         .typed_exactly_once(&s, &["warm up", "after the restart"])
         .await?;
     Ok(())
+}
+
+/// Waits until the session's agent has received `text`, then SIGKILLs host h1's transport
+/// and starts it again: a restarted transport must neither retype the turn nor lose it.
+async fn restart_transport_once_received(
+    stack: &mut Stack,
+    s: &turnstile_shared::SessionId,
+    text: &str,
+) -> Result<()> {
+    wait_until(
+        "the agent to receive the long turn",
+        Duration::from_secs(20),
+        || async {
+            Ok(stack
+                .transcript(s)
+                .await
+                .ok()
+                .filter(|t| t.iter().any(|m| m == text)))
+        },
+    )
+    .await?;
+    stack
+        .transports
+        .get_mut("h1")
+        .context("host h1")?
+        .kill()
+        .await?;
+    stack.spawn_transport("h1")
 }
