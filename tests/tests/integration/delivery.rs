@@ -390,11 +390,7 @@ async fn idle_with_a_step(
         })
         .await?;
     stack.all_complete(&[holder]).await?;
-    turnstile_tests::wait_until("the lane to go idle", Duration::from_secs(20), || async {
-        let v = stack.show(&s).await?;
-        Ok((!v.busy && v.queued == 0).then_some(()))
-    })
-    .await?;
+    stack.wait_idle(&s).await?;
     Ok((s, step))
 }
 
@@ -634,11 +630,7 @@ async fn routed_again(stack: &mut Stack) -> Result<()> {
         "{}",
         first[0].text
     );
-    turnstile_tests::wait_until("the lane to go idle", Duration::from_secs(20), || async {
-        let v = stack.show(&s).await?;
-        Ok((!v.busy && v.queued == 0).then_some(()))
-    })
-    .await?;
+    stack.wait_idle(&s).await?;
     // The same end again, under another message id (a copy the queue's de-duplication lets
     // through, as a redelivery is).
     // The lane frozen, so the item the repeat arms stays on it to be read.
@@ -685,11 +677,7 @@ async fn routed_again(stack: &mut Stack) -> Result<()> {
         other => anyhow::bail!("expected a delivery item, got {other:?}"),
     }
     // Nothing is handed over twice.
-    turnstile_tests::wait_until("the lane to go idle", Duration::from_secs(20), || async {
-        let v = stack.show(&s).await?;
-        Ok((!v.busy && v.queued == 0).then_some(()))
-    })
-    .await?;
+    stack.wait_idle(&s).await?;
     let delivered = stack.delivery_turns(&s).await?;
     ensure!(delivered.len() == 1, "{delivered:?}");
     Ok(())

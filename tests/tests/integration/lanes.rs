@@ -101,11 +101,8 @@ async fn occupancy(stack: &mut Stack) -> Result<()> {
         );
     }
     stack.wait_turn(&q2, Duration::from_secs(30)).await?;
-    let done = stack.show(&s).await?;
-    ensure!(
-        !done.busy && done.queued == 0,
-        "drained session not idle: {done:?}"
-    );
+    // The lane acks the last item a moment after its turn's record ends.
+    stack.wait_idle(&s).await?;
     Ok(())
 }
 

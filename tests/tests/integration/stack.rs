@@ -611,6 +611,17 @@ impl Stack {
         .await?)
     }
 
+    /// Waits until the session's lane holds nothing: no item in flight, none queued. The lane
+    /// acks its item a moment after the turn's or run's record ends, so a check made right
+    /// after that record can still see the item held.
+    pub async fn wait_idle(&self, session: &SessionId) -> Result<SessionView> {
+        turnstile_tests::wait_until("the lane to go idle", Duration::from_secs(20), || async {
+            let v = self.show(session).await?;
+            Ok((!v.busy && v.queued == 0).then_some(v))
+        })
+        .await
+    }
+
     pub async fn turn(&self, turn: &TurnId) -> Result<Option<TurnRecord>> {
         let kv = self.js.get_key_value(subjects::TURNS_BUCKET).await?;
         match kv.get(turn.as_str()).await? {
@@ -644,7 +655,6 @@ impl Stack {
         }
     }
 
-    /// Waits until the turn's record satisfies `pred` (e.g. it is being typed).
     /// Waits until the host's transport has handled (acked) every command it was sent.
     pub async fn wait_commands_handled(&self, host: &HostName) -> Result<()> {
         let transport = self.js.get_stream(subjects::TRANSPORT_STREAM).await?;
