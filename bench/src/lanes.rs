@@ -183,6 +183,10 @@ pub(crate) async fn queue(
     Ok(turns)
 }
 
+/// How long a lane item whose acknowledgement did not come is published again. A server
+/// taking over 10,000 lanes (fail-over) can leave publishes unanswered for tens of seconds.
+const RESEND_FOR: Duration = Duration::from_secs(120);
+
 /// Publishes a lane item whose acknowledgement did not come (a server busy with thousands of
 /// new pull requests, during fail-over): its message id makes a repeat of a stored one a no-op.
 async fn resend(
@@ -190,18 +194,24 @@ async fn resend(
     session: &SessionId,
     env: &turnstile_shared::envelope::Envelope,
 ) -> Result<()> {
-    let mut last = None;
-    for attempt in 1..=5u64 {
-        match events::send_to(js, subjects::lane(session), env, None).await {
+    let deadline = tokio::time::Instant::now() + RESEND_FOR;
+    let mut pause = Duration::from_millis(200);
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let last = match events::send_to(js, subjects::lane(session), env, None).await {
             Ok(ack) => match ack.await {
                 Ok(()) => return Ok(()),
-                Err(e) => last = Some(e),
+                Err(e) => e,
             },
-            Err(e) => last = Some(e),
+            Err(e) => e,
+        };
+        if tokio::time::Instant::now() + pause >= deadline {
+            bail!("publish lane item for {session}: {attempts} attempts in {RESEND_FOR:?}, last: {last}");
         }
-        tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(5));
     }
-    bail!("publish lane item for {session}: {last:?}")
 }
 
 async fn turn(js: &async_nats::jetstream::Context, t: &TurnId) -> Result<TurnRecord> {
