@@ -234,6 +234,17 @@ pub struct TurnCommand {
     pub unrecorded: bool,
 }
 
+impl TurnCommand {
+    /// The command as it goes to its host's transport: one envelope per turn, its id the
+    /// turn's, so a repeat within the duplicate window is stored once.
+    pub fn envelope(&self) -> Result<crate::envelope::Envelope, crate::EnvelopeError> {
+        Ok(crate::envelope::Envelope::new(transport_kind::TURN, self)?
+            .with_session(&self.session)
+            .with_turn(&self.turn)
+            .with_id(self.turn.to_string()))
+    }
+}
+
 /// A turn record and the revision it was written at.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KnownTurn {

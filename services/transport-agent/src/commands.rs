@@ -311,22 +311,20 @@ async fn drive_turn(
     // record that moved on meanwhile makes that write lose before anything is typed, and the
     // turn is driven from a read instead. (Getting the agent ready comes before that write:
     // on a redelivery the turn may be running in the agent, so the record is read first.)
+    // Or the lane wrote no record (a delivery turn): created running, with no read first.
     let known = cmd.known.as_ref().filter(|k| {
-        first_delivery
-            && k.record.id == cmd.turn
+        k.record.id == cmd.turn
             && k.record.session == cmd.session
             && k.record.state == TurnState::Queued
     });
-    if let Some(k) = known {
-        match drive_from(ctx, cmd, k.record.clone(), Base::At(k.revision)).await? {
-            Driven::Done => return Ok(()),
-            Driven::Moved => {}
-        }
-    } else if first_delivery && cmd.unrecorded {
-        // The lane wrote no record (a delivery turn): created running, with no read first.
-        match drive_from(ctx, cmd, from_command(cmd), Base::Absent).await? {
-            Driven::Done => return Ok(()),
-            Driven::Moved => {}
+    let unread = match known {
+        Some(k) => Some((k.record.clone(), Base::At(k.revision))),
+        None if cmd.unrecorded => Some((from_command(cmd), Base::Absent)),
+        None => None,
+    };
+    if let Some((record, base)) = unread.filter(|_| first_delivery) {
+        if let Driven::Done = drive_from(ctx, cmd, record, base).await? {
+            return Ok(());
         }
     }
     let (record, revision) = current(ctx, cmd).await?;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use turnstile_shared::records::TurnState;
-use turnstile_shared::ExecutionId;
+use turnstile_shared::{ExecutionId, SessionId};
 
 use crate::stack::{listed_steps, report, Stack};
 
@@ -199,7 +199,6 @@ async fn killed_broker_and_lane_hand_every_result_over_exactly_once() -> Result<
 }
 
 async fn broker_and_lane_killed(stack: &mut Stack) -> Result<()> {
-    use crate::stack::signal;
     let s = stack.create_session("faults", None).await?;
 
     // 1. The step ends while the broker is dead; its report waits for the restarted broker.
@@ -224,13 +223,8 @@ async fn broker_and_lane_killed(stack: &mut Stack) -> Result<()> {
     // completions are not acked; then the lane and the broker die.
     let t2 = stack.send(&s, "!step second 500ms\n!sleep 2s").await?;
     stack.wait_turn(&t2, Duration::from_secs(30)).await?;
-    let lane_pid = stack
-        .lanes
-        .get("a")
-        .and_then(|p| p.pid())
-        .context("lane pid")?;
     let running = wait_delivery_running(stack, &s, 2).await?;
-    signal(lane_pid, rustix::process::Signal::STOP)?;
+    stack.freeze_lane("a")?;
     let done = stack.wait_turn(&running, Duration::from_secs(30)).await?;
     ensure!(
         matches!(done.state, TurnState::Completed { .. }),
@@ -299,9 +293,8 @@ async fn a_delivery_command_ahead_of_its_record_is_recorded_with_what_it_carries
 }
 
 async fn command_ahead(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::envelope::Envelope;
-    use turnstile_shared::records::{transport_kind, Carried, CarriedCompletion, TurnCommand};
-    use turnstile_shared::{subjects, DeliveryId, StepId};
+    use turnstile_shared::records::{Carried, CarriedCompletion, TurnCommand};
+    use turnstile_shared::{DeliveryId, StepId};
     let s = stack.create_session("ahead", None).await?;
     let host = stack.session_record(&s).await?.host;
     let delivery = DeliveryId::new();
@@ -314,31 +307,20 @@ async fn command_ahead(stack: &mut Stack) -> Result<()> {
         }],
     };
     let text = "a delivery whose record is not written yet";
-    let command = Envelope::new(
-        transport_kind::TURN,
-        &TurnCommand {
-            session: s.clone(),
-            turn: turn.clone(),
-            text: text.into(),
-            delivery: Some(carried.clone()),
-            known: None,
-            unrecorded: false,
-        },
-    )?
-    .with_session(&s)
-    .with_turn(&turn)
-    .with_id(turn.to_string());
+    let command = TurnCommand {
+        session: s.clone(),
+        turn: turn.clone(),
+        text: text.into(),
+        delivery: Some(carried.clone()),
+        known: None,
+        unrecorded: false,
+    };
     ensure!(
         stack.turn(&turn).await?.is_none(),
         "no record before the command"
     );
     // Sent as the lane sends it, under the lane's identity.
-    stack
-        .js_as("session-lane")
-        .await?
-        .publish(subjects::transport(&host, "turn"), command.encode()?)
-        .await?
-        .await?;
+    stack.send_command(&host, &command).await?;
     let done = stack.wait_turn(&turn, Duration::from_secs(30)).await?;
     ensure!(
         matches!(done.state, TurnState::Completed { .. }),
@@ -406,15 +388,12 @@ async fn a_delivery_that_overtakes_its_completion_waits_for_it() -> Result<()> {
 
 async fn item_first(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::delivery::Completion;
-    use turnstile_shared::{arming, subjects, topology};
+    use turnstile_shared::{arming, subjects};
     let (s, step) = idle_with_a_step(stack, "overtaken", "nobody").await?;
     // The broker's half, by hand and out of order: the marker and the item naming the step
     // first, its completion only once the lane is waiting for it.
     let js = stack.js_as("notification-broker").await?;
-    let buckets = topology::bind(&js).await?;
-    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s, arming::Trust::YoungMarkers)
-        .await?
-        .context("nothing armed on an idle lane")?;
+    let (marker, rev) = claim_by_hand(&js, &s).await?;
     arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
     let completions = stack.js.get_stream(subjects::COMPLETION_STREAM).await?;
     turnstile_tests::wait_until(
@@ -543,7 +522,7 @@ async fn a_delivery_full_before_its_completion_arms_the_next_to_wait_for_it() ->
 
 async fn full_first(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::delivery::{Completion, DELIVERY_CAP};
-    use turnstile_shared::{arming, subjects, topology, StepId};
+    use turnstile_shared::{arming, subjects, StepId};
     let (s, step) = idle_with_a_step(stack, "full", "nobody").await?;
     let js = stack.js_as("notification-broker").await?;
     // A cap's worth of completions of executions the registry does not know: they fill the
@@ -564,10 +543,7 @@ async fn full_first(stack: &mut Stack) -> Result<()> {
         )
         .await?;
     }
-    let buckets = topology::bind(&js).await?;
-    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s, arming::Trust::YoungMarkers)
-        .await?
-        .context("nothing armed on an idle lane")?;
+    let (marker, rev) = claim_by_hand(&js, &s).await?;
     arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
     // The first delivery refuses the fillers and arms the next, which waits for the step's
     // completion: only then is it stored.
@@ -634,12 +610,7 @@ async fn routed_again(stack: &mut Stack) -> Result<()> {
     // The same end again, under another message id (a copy the queue's de-duplication lets
     // through, as a redelivery is).
     // The lane frozen, so the item the repeat arms stays on it to be read.
-    let lane_pid = stack
-        .lanes
-        .get("a")
-        .and_then(|p| p.pid())
-        .context("lane pid")?;
-    crate::stack::signal(lane_pid, rustix::process::Signal::STOP)?;
+    let lane_pid = stack.freeze_lane("a")?;
     let record = stack.exec(&step.id).await?.context("the step's record")?;
     let again = Ended {
         execution: step.id.clone(),
@@ -766,16 +737,12 @@ async fn an_unrecorded_delivery_is_recorded_by_its_transport_and_an_ended_one_ne
 }
 
 async fn unrecorded(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::envelope::Envelope;
-    use turnstile_shared::records::{
-        transport_kind, Carried, CarriedCompletion, TurnCommand, TurnRecord,
-    };
+    use turnstile_shared::records::{Carried, CarriedCompletion, TurnCommand, TurnRecord};
     use turnstile_shared::{subjects, DeliveryId, StepId};
     let s = stack.create_session("unrecorded", None).await?;
     let first = stack.send(&s, "first").await?;
     stack.all_complete(&[first]).await?;
     let host = stack.session_record(&s).await?.host;
-    let lane = stack.js_as("session-lane").await?;
     let carried = || Carried {
         delivery: DeliveryId::new(),
         completions: vec![CarriedCompletion {
@@ -783,24 +750,13 @@ async fn unrecorded(stack: &mut Stack) -> Result<()> {
             seq: 1,
         }],
     };
-    let command = |carried: &Carried, text: &str| -> Result<Vec<u8>> {
-        let turn = carried.delivery.turn();
-        Ok(Envelope::new(
-            transport_kind::TURN,
-            &TurnCommand {
-                session: s.clone(),
-                turn: turn.clone(),
-                text: text.into(),
-                delivery: Some(carried.clone()),
-                known: None,
-                unrecorded: true,
-            },
-        )?
-        .with_session(&s)
-        .with_turn(&turn)
-        .with_id(turn.to_string())
-        .encode()?
-        .to_vec())
+    let command = |carried: &Carried, text: &str| TurnCommand {
+        session: s.clone(),
+        turn: carried.delivery.turn(),
+        text: text.into(),
+        delivery: Some(carried.clone()),
+        known: None,
+        unrecorded: true,
     };
     let fresh = carried();
     let fresh_text = "a delivery nobody recorded";
@@ -820,14 +776,15 @@ async fn unrecorded(stack: &mut Stack) -> Result<()> {
             output: Vec::new(),
         },
     };
-    lane.get_key_value(subjects::TURNS_BUCKET)
+    stack
+        .js_as("session-lane")
+        .await?
+        .get_key_value(subjects::TURNS_BUCKET)
         .await?
         .create(gone.id.as_str(), serde_json::to_vec(&gone)?.into())
         .await?;
-    for payload in [command(&ended, ended_text)?, command(&fresh, fresh_text)?] {
-        lane.publish(subjects::transport(&host, "turn"), payload.into())
-            .await?
-            .await?;
+    for c in [command(&ended, ended_text), command(&fresh, fresh_text)] {
+        stack.send_command(&host, &c).await?;
     }
     let done = stack
         .wait_turn(&fresh.delivery.turn(), Duration::from_secs(30))
@@ -875,12 +832,11 @@ async fn a_delivery_to_a_dead_host_fails_unavailable_and_its_completion_waits() 
 
 async fn dead_host_delivery(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::delivery::Completion;
-    use turnstile_shared::{arming, subjects, topology};
+    use turnstile_shared::{arming, subjects};
     let (s, step) = idle_with_a_step(stack, "dead-host", "nobody").await?;
     stack.transports.get_mut("h1").context("h1")?.kill().await?;
     // The broker's half, by hand: the completion stored, then its marker and item.
     let js = stack.js_as("notification-broker").await?;
-    let buckets = topology::bind(&js).await?;
     let record = stack.exec(&step.id).await?.context("the step's record")?;
     turnstile_shared::events::publish_durable(
         &js,
@@ -889,9 +845,7 @@ async fn dead_host_delivery(stack: &mut Stack) -> Result<()> {
         None,
     )
     .await?;
-    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s, arming::Trust::YoungMarkers)
-        .await?
-        .context("nothing armed on an idle lane")?;
+    let (marker, rev) = claim_by_hand(&js, &s).await?;
     let turn = marker.delivery.turn();
     let turns = stack.js.get_key_value(subjects::TURNS_BUCKET).await?;
     let mut changes = turns.watch_with_history(turn.as_str()).await?;
@@ -971,26 +925,17 @@ async fn a_redelivered_delivery_with_nothing_to_carry_is_superseded_not_left_to_
 }
 
 async fn superseded(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::envelope::Envelope;
-    use turnstile_shared::records::{reason, transport_kind, Carried, TurnCommand};
-    use turnstile_shared::{arming, subjects, topology};
+    use turnstile_shared::records::{reason, Carried, TurnCommand};
+    use turnstile_shared::{arming, subjects};
     let s = stack.create_session("superseded", None).await?;
     let warm = stack.send(&s, "warm-up").await?;
     stack.all_complete(&[warm]).await?;
     stack.spawn_lane("b")?;
     turnstile_tests::wait_lanes_pulled(&stack.js, &[&s], 2, Duration::from_secs(20)).await?;
     // Replica `a` holds the pin: frozen, it is handed the item and never acts on it.
-    let pid = stack
-        .lanes
-        .get("a")
-        .and_then(|p| p.pid())
-        .context("replica a's pid")?;
-    crate::stack::signal(pid, rustix::process::Signal::STOP)?;
+    stack.freeze_lane("a")?;
     let js = stack.js_as("notification-broker").await?;
-    let buckets = topology::bind(&js).await?;
-    let (marker, rev) = arming::claim(&js, &buckets.deliveries, &s, arming::Trust::YoungMarkers)
-        .await?
-        .context("nothing armed on an idle lane")?;
+    let (marker, rev) = claim_by_hand(&js, &s).await?;
     arming::publish_item(&js, &s, &marker, rev, None).await?;
     let lane = stack.js.get_stream(subjects::LANE_STREAM).await?;
     turnstile_tests::wait_until(
@@ -1019,29 +964,18 @@ async fn superseded(stack: &mut Stack) -> Result<()> {
     // The command the dead replica's attempt could have sent comes now: never typed.
     let host = stack.session_record(&s).await?.host;
     let text = "a superseded delivery";
-    let command = Envelope::new(
-        transport_kind::TURN,
-        &TurnCommand {
-            session: s.clone(),
-            turn: turn.clone(),
-            text: text.into(),
-            delivery: Some(Carried {
-                delivery: marker.delivery.clone(),
-                completions: Vec::new(),
-            }),
-            known: None,
-            unrecorded: true,
-        },
-    )?
-    .with_session(&s)
-    .with_turn(&turn)
-    .with_id(turn.to_string());
-    stack
-        .js_as("session-lane")
-        .await?
-        .publish(subjects::transport(&host, "turn"), command.encode()?)
-        .await?
-        .await?;
+    let command = TurnCommand {
+        session: s.clone(),
+        turn: turn.clone(),
+        text: text.into(),
+        delivery: Some(Carried {
+            delivery: marker.delivery.clone(),
+            completions: Vec::new(),
+        }),
+        known: None,
+        unrecorded: true,
+    };
+    stack.send_command(&host, &command).await?;
     let after = stack.send(&s, "after it").await?;
     stack.all_complete(&[after]).await?;
     stack.wait_commands_handled(&host).await?;
@@ -1097,4 +1031,17 @@ impl ExternalWorker {
         };
         turnstile_shared::api::call(&self.client, &self.subject, &req, crate::stack::API).await
     }
+}
+
+/// The broker's first half of arming a delivery, by hand (`js` under the broker's identity):
+/// the session's marker claimed, as on an idle lane.
+async fn claim_by_hand(
+    js: &async_nats::jetstream::Context,
+    s: &SessionId,
+) -> Result<(turnstile_shared::delivery::DeliveryMarker, u64)> {
+    use turnstile_shared::{arming, topology};
+    let buckets = topology::bind(js).await?;
+    arming::claim(js, &buckets.deliveries, s, arming::Trust::YoungMarkers)
+        .await?
+        .context("nothing armed on an idle lane")
 }

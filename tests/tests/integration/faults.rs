@@ -429,8 +429,7 @@ async fn paused_fenced(stack: &mut Stack) -> Result<()> {
     let texts = ["fence 0\n!sleep 2s", "fence 1\n!sleep 500ms"];
     let turns = stack.send_all(&s, &texts).await?;
     stack.wait_running(&turns[0]).await?;
-    let a = stack.lanes.get("a").and_then(|p| p.pid()).context("a")?;
-    crate::stack::signal(a, rustix::process::Signal::STOP)?;
+    let a = stack.freeze_lane("a")?;
     stack
         .all_complete_within(&turns, Duration::from_secs(15))
         .await?;

@@ -119,8 +119,7 @@ async fn a_transport_told_a_stale_revision_reads_the_record_and_types_at_most_on
 
 async fn stale_revision(stack: &mut Stack) -> Result<()> {
     use anyhow::Context;
-    use turnstile_shared::envelope::Envelope;
-    use turnstile_shared::records::{transport_kind, KnownTurn, TurnCommand, TurnRecord};
+    use turnstile_shared::records::{KnownTurn, TurnCommand, TurnRecord};
     use turnstile_shared::{subjects, TurnId};
     let s = stack.create_session("stale", None).await?;
     // The session's agent is up (its first turn launched it).
@@ -138,26 +137,16 @@ async fn stale_revision(stack: &mut Stack) -> Result<()> {
         parent: None,
         state: TurnState::Queued,
     };
-    let command = |record: &TurnRecord, revision: u64| -> Result<Vec<u8>> {
-        Ok(Envelope::new(
-            transport_kind::TURN,
-            &TurnCommand {
-                session: s.clone(),
-                turn: record.id.clone(),
-                text: record.text.clone(),
-                delivery: None,
-                known: Some(KnownTurn {
-                    revision,
-                    record: record.clone(),
-                }),
-                unrecorded: false,
-            },
-        )?
-        .with_session(&s)
-        .with_turn(&record.id)
-        .with_id(record.id.to_string())
-        .encode()?
-        .to_vec())
+    let command = |record: &TurnRecord, revision: u64| TurnCommand {
+        session: s.clone(),
+        turn: record.id.clone(),
+        text: record.text.clone(),
+        delivery: None,
+        known: Some(KnownTurn {
+            revision,
+            record: record.clone(),
+        }),
+        unrecorded: false,
     };
 
     // Still queued, written again since the revision the command names.
@@ -184,13 +173,11 @@ async fn stale_revision(stack: &mut Stack) -> Result<()> {
     turns
         .update(ended.as_str(), serde_json::to_vec(&gone)?.into(), at)
         .await?;
-    for payload in [
-        command(&record, old)?,
-        command(&queued(&ended, &gone.text), at)?,
+    for c in [
+        command(&record, old),
+        command(&queued(&ended, &gone.text), at),
     ] {
-        lane.publish(subjects::transport(&host, "turn"), payload.into())
-            .await?
-            .await?;
+        stack.send_command(&host, &c).await?;
     }
     let done = stack.wait_turn(&moved, Duration::from_secs(30)).await?;
     ensure!(

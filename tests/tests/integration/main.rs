@@ -5,6 +5,7 @@ mod adapters;
 mod agents;
 mod asyncapi;
 mod bad_input;
+mod bench;
 mod children;
 mod claude;
 mod codex;

@@ -655,6 +655,36 @@ impl Stack {
         }
     }
 
+    /// Sends a transport turn command as the lane sends it (under the lane's identity), and
+    /// waits for its store.
+    pub async fn send_command(
+        &self,
+        host: &HostName,
+        command: &turnstile_shared::records::TurnCommand,
+    ) -> Result<()> {
+        self.js_as("session-lane")
+            .await?
+            .publish(
+                subjects::transport(host, "turn"),
+                command.envelope()?.encode()?,
+            )
+            .await?
+            .await?;
+        Ok(())
+    }
+
+    /// Freezes (SIGSTOP) a session-lane replica where it stands: it keeps its connection and
+    /// whatever it was handed, and acts on nothing. Returns its pid, to kill or resume it.
+    pub fn freeze_lane(&self, replica: &str) -> Result<u32> {
+        let pid = self
+            .lanes
+            .get(replica)
+            .and_then(|p| p.pid())
+            .with_context(|| format!("replica {replica}'s pid"))?;
+        signal(pid, rustix::process::Signal::STOP)?;
+        Ok(pid)
+    }
+
     /// Waits until the host's transport has handled (acked) every command it was sent.
     pub async fn wait_commands_handled(&self, host: &HostName) -> Result<()> {
         let transport = self.js.get_stream(subjects::TRANSPORT_STREAM).await?;

@@ -11,9 +11,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
-use turnstile_shared::records::{
-    transport_kind, SessionRecord, TurnCommand, TurnRecord, TurnState,
-};
+use turnstile_shared::records::{SessionRecord, TurnCommand, TurnRecord, TurnState};
 use turnstile_shared::subjects;
 
 use turnstile_shared::retry::Backoff;
@@ -40,16 +38,11 @@ pub(crate) async fn dispatch(
         &json!({ "replica": ctx.replica, "host": session.host, "delivery": delivered }),
     )?;
     let event_ack = events::send(&ctx.js, &started).await?;
-    let command = Envelope::new(
-        transport_kind::TURN,
-        &TurnCommand {
-            session: session.id.clone(),
-            ..command
-        },
-    )?
-    .with_session(&session.id)
-    .with_turn(&turn)
-    .with_id(turn.to_string());
+    let command = TurnCommand {
+        session: session.id.clone(),
+        ..command
+    }
+    .envelope()?;
     let command_ack = events::send_to(
         &ctx.js,
         subjects::transport(&session.host, "turn"),

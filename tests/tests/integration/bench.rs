@@ -1,0 +1,100 @@
+//! The benchmark binary, run small: `turnstile-bench lanes` and `schedules` start their own
+//! nats-server and services, and print every figure the README quotes, beside the floor of
+//! the same run. Checked for completeness and consistency, never for speed (speed is what
+//! the figures are for, on a quiet machine).
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use serde_json::Value;
+
+/// Runs `turnstile-bench ARGS` to its end (bounded) and returns the JSON it printed.
+async fn bench(args: &[&str]) -> Result<Value> {
+    let bin = turnstile_tests::bin_path("turnstile-bench")?;
+    let run = tokio::process::Command::new(&bin)
+        .args(args)
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .with_context(|| format!("turnstile-bench {args:?} still running after 180 s"))??;
+    ensure!(
+        out.status.success(),
+        "turnstile-bench {args:?}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).context("turnstile-bench printed no JSON")
+}
+
+/// A latency summary with `samples` samples, each figure positive and p50 <= p99.
+fn summary(v: &Value, what: &str, samples: u64) -> Result<f64> {
+    let s = &v[what];
+    ensure!(s["samples"].as_u64() == Some(samples), "{what}: {s}");
+    let p50 = s["p50_us"].as_f64().context(format!("{what}.p50_us"))?;
+    let p99 = s["p99_us"].as_f64().context(format!("{what}.p99_us"))?;
+    ensure!(p50 > 0.0 && p50 <= p99, "{what}: {s}");
+    Ok(p50)
+}
+
+/// `lanes`: the floor, the hand-off, throughput, and the completion path to dispatch and to
+/// the transport's write of the turn running, each with its ratio to the floor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lanes_benchmark_prints_each_figure_beside_its_floor() -> Result<()> {
+    // 20 turns on one session (19 hand-offs, the first 10 not counted), 2 on each of 2
+    // sessions, 25 completions after the warm-up.
+    let out = bench(&["lanes", "20", "2", "2", "25"]).await?;
+    let floor = summary(&out, "jetstream_floor", 2000)?;
+    let handoff = summary(&out, "lane_handoff", 9)?;
+    let completion = summary(&out, "completion_to_agent", 25)?;
+    let running = summary(&out["completion_to_agent"], "to_running", 25)?;
+    for (ratio, p50) in [
+        ("handoff_over_floor", handoff),
+        ("completion_over_floor", completion),
+        ("completion_to_running_over_floor", running),
+    ] {
+        let r = out[ratio]["p50"].as_f64().context(ratio)?;
+        ensure!(
+            (r - p50 / floor).abs() < 0.01 + r * 0.01,
+            "{ratio} {r} is not {p50} / {floor}"
+        );
+    }
+    let stages = &out["completion_to_agent"]["stages_p50_us"];
+    for stage in [
+        "report_to_recorded_end",
+        "recorded_end_to_delivery_item",
+        "delivery_item_to_dispatch",
+    ] {
+        ensure!(stages[stage].as_f64().is_some(), "stage {stage}: {stages}");
+    }
+    ensure!(
+        out["throughput"]["turns"].as_u64() == Some(4)
+            && out["throughput"]["turns_per_sec"].as_f64() > Some(0.0),
+        "{}",
+        out["throughput"]
+    );
+    Ok(())
+}
+
+/// `schedules`: every schedule due in the same second fires once in each of two slots,
+/// none skipped or missed, with its drift measured from the slot records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_schedules_benchmark_fires_every_slot_and_measures_its_drift() -> Result<()> {
+    let out = bench(&["schedules", "20"]).await?;
+    summary(&out, "jetstream_floor", 2000)?;
+    summary(&out, "slot_claim_alone", 1000)?;
+    let slots = out["slots"].as_array().context("slots")?;
+    ensure!(slots.len() == 2, "{slots:?}");
+    for slot in slots {
+        ensure!(
+            slot["fired"].as_u64() == Some(20)
+                && slot["skipped"].as_u64() == Some(0)
+                && slot["missed"].as_u64() == Some(0)
+                && slot["runs_done"].as_u64() == Some(20),
+            "{slot}"
+        );
+        summary(slot, "fire_drift", 20)?;
+        summary(slot, "run_queued_drift", 20)?;
+    }
+    Ok(())
+}
