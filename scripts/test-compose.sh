@@ -351,7 +351,7 @@ for server, j in views.items():
             if c.get("leader") == server:
                 reps = c.get("replicas", [])
                 leaders[s["name"]] = len(reps) == 2 and all(r.get("current") for r in reps)
-                if s["name"] == "TS_LANE":
+                if s["name"] == "TS_LANES":
                     lane = server
 ok = names and all(leaders.get(n) for n in names)
 print(lane if ok else "")

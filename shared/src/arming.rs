@@ -146,7 +146,9 @@ pub async fn take_back_item(
 }
 
 /// Whether the delivery item is still on the session's lane (queued or in flight), or a run
-/// is, which hands completions over itself.
+/// is, which hands completions over itself. Items the lane is done with whose removal has not
+/// landed (at or below its consumer's ack floor) are not on it: a run ended there must not
+/// keep completions from being armed (R4).
 async fn on_lane(
     js: &jetstream::Context,
     session: &SessionId,
@@ -161,14 +163,16 @@ async fn on_lane(
         .await
         .map_err(|e| lane_err(e.into()))?;
     let subject = subjects::lane(session);
-    let mut seq = 0;
+    let mut next = crate::lane::undone_from(&stream, session)
+        .await
+        .map_err(lane_err)?;
     loop {
         match stream
-            .direct_get_next_for_subject(subject.as_str(), Some(seq + 1))
+            .direct_get_next_for_subject(subject.as_str(), Some(next))
             .await
         {
             Ok(msg) => {
-                seq = msg.sequence;
+                next = msg.sequence + 1;
                 if let Ok(env) = Envelope::decode(&msg.payload) {
                     // A run on the lane is the session's deliverer while it lasts (R4).
                     if (env.kind == lane_kind::DELIVERY && env.id == delivery.as_str())

@@ -12,6 +12,9 @@ pub const WRONG_LAST_SEQUENCE_CONSTANT: u64 = 10164;
 /// A message with the same `Nats-Msg-Id` is being stored right now by another publisher.
 pub const DUPLICATE_IN_PROCESS: u64 = 10158;
 
+/// The stream named does not exist.
+pub const STREAM_NOT_FOUND: u64 = 10059;
+
 /// A message delete named a sequence the stream does not hold (any more).
 pub const SEQUENCE_NOT_FOUND: u64 = 10043;
 /// A message delete the store refused. The server gives one code for every reason, and

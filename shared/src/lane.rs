@@ -1,7 +1,14 @@
 //! The lane item: what a session's lane carries, one at a time (R1). It sits above the
 //! records it carries (a turn's text, a delivery, a run), encodes each as a versioned envelope
 //! de-duplicated by its id, and refuses on decode anything that is not for its lane (R15).
+//!
+//! The lane stream keeps an item until it is removed ([`send_removal`]): by its lane once done
+//! with it, or with the whole lane when its session stops. An item can outlive its end for as
+//! long as that removal takes, or, when its replica died in between, until the lane's next
+//! item is done; readers that ask what is still on a lane start above its consumer's ack floor
+//! ([`undone_from`]).
 
+use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
 
 use crate::delivery::DeliveryItem;
@@ -119,6 +126,45 @@ impl LaneItem {
             lane_kind::RUN => Ok(Self::Run(env.data_as()?)),
             other => Err(LaneItemError::UnknownKind(other.to_string())),
         }
+    }
+}
+
+/// Sends the removal of a lane's items up to and including `seq`: the item its lane is done
+/// with (acked or refused) and any earlier one whose removal was lost with a replica (a lane
+/// serves one item at a time, in order, so nothing below the item it is done with waits any
+/// more). Sent, not awaited: the lane goes on at once, and the server's answer goes to an
+/// inbox nobody reads. Send it after the item's ack, never before (see the session-lane's
+/// `remove_item`). A lost one leaves the item to the lane's next removal, or to its session's
+/// stop.
+pub async fn send_removal(
+    client: &async_nats::Client,
+    session: &SessionId,
+    seq: u64,
+) -> Result<(), async_nats::PublishError> {
+    let request = serde_json::json!({ "filter": crate::subjects::lane(session), "seq": seq + 1 });
+    client
+        .publish_with_reply(
+            crate::subjects::lane_purge(),
+            client.new_inbox(),
+            request.to_string().into(),
+        )
+        .await
+}
+
+/// The first stream sequence of a lane that may hold an item not yet done: one above its
+/// consumer's ack floor (every item at or below it is acked or refused, its removal maybe
+/// still on its way). 1 for a lane without a consumer (not bound yet, or stopped).
+pub async fn undone_from(
+    stream: &jetstream::stream::Stream<()>,
+    session: &SessionId,
+) -> Result<u64, async_nats::Error> {
+    match stream
+        .consumer_info(crate::subjects::lane_consumer(session))
+        .await
+    {
+        Ok(info) => Ok(info.ack_floor.stream_sequence + 1),
+        Err(e) if e.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound => Ok(1),
+        Err(e) => Err(e.into()),
     }
 }
 

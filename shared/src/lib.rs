@@ -13,13 +13,14 @@
 //! - `events`: the event-kind registry (`EventKind`) and the one publish path.
 //! - `api`: request/reply types, the error-code registry (`ErrorCode`) and the typed client;
 //!   `service`: the request loop behind every endpoint.
-//! - `kv`: typed compare-and-set over KV buckets; `topology`: provisioning; `config`: flags
+//! - `kv`: typed compare-and-set over KV buckets; `topology`: provisioning (`lane_migration`: moving the
+//!   lanes off the work-queue stream of older builds); `config`: flags
 //!   and connect; `consume`: the durable-consumer loops; `deadletter`: refusals; `telemetry`;
 //!   `health`: the `/healthz` and `/readyz` endpoints.
 //! - Records: `records` (sessions, turns, hosts, transport commands), `execution` (the tree),
 //!   `delivery` (completions and the delivery item), `runs`, `schedules`, `step_api`.
-//! - `lane`: the lane item, above the records it carries; `arming`: arming a session's one
-//!   delivery item, above the lane item.
+//! - `lane`: the lane item, above the records it carries, and its removal once done;
+//!   `arming`: arming a session's one delivery item, above the lane item.
 //! - `principal`: who an agent-facing call acts for (the token its subjects carry), above
 //!   `step_api`; `service` serves endpoints scoped by it.
 
@@ -38,6 +39,7 @@ pub mod ids;
 pub mod js_codes;
 pub mod kv;
 pub mod lane;
+pub mod lane_migration;
 pub mod metrics;
 pub mod names;
 pub mod page;

@@ -169,7 +169,8 @@ impl Role {
                 .into(),
             Role::Scheduler => "the schedules API, slot claims, runs fired".into(),
             Role::Admin => "`turnstile admin provision`: creates and updates streams and \
-                 buckets; nothing else"
+                 buckets, and moves an older build's lane items onto the current lane stream; \
+                 nothing else"
                 .into(),
             Role::Observer => "follows lifecycle events, discovers services and calls the \
                  read-only APIs (list, show, hosts, tree); changes nothing"
@@ -203,8 +204,9 @@ impl Role {
             Role::SessionLane => service(
                 &[subjects::LANE_STREAM, subjects::COMPLETION_STREAM],
                 &[
-                    // A stopped session's lane is purged; a handed-over completion deleted.
-                    format!("$JS.API.STREAM.PURGE.{}", subjects::LANE_STREAM),
+                    // A lane's done items and a stopped session's lane are purged; a
+                    // handed-over completion deleted.
+                    subjects::lane_purge(),
                     // A departed replica's liveness and pin keys are purged, markers and all.
                     format!("$JS.API.STREAM.PURGE.{}", subjects::REPLICAS_KV_STREAM),
                     format!("$JS.API.STREAM.MSG.DELETE.{}", subjects::COMPLETION_STREAM),
@@ -289,7 +291,9 @@ impl Role {
                 ],
             ),
             Role::Admin => Grant {
-                publish: owned(&["$JS.API.>", "_INBOX.>"]),
+                // The lane subjects: provisioning moves the items of an older build's lane
+                // stream onto the current one (`lane_migration`).
+                publish: owned(&["$JS.API.>", "_INBOX.>", "ts.lane.>"]),
                 publish_deny: Vec::new(),
                 subscribe: owned(&["_INBOX.>"]),
             },
@@ -432,7 +436,7 @@ mod tests {
                 Role::SessionLane => assert_eq!(
                     purges,
                     [
-                        "$JS.API.STREAM.PURGE.TS_LANE",
+                        "$JS.API.STREAM.PURGE.TS_LANES",
                         "$JS.API.STREAM.PURGE.KV_ts_replicas"
                     ]
                 ),

@@ -3,7 +3,19 @@
 
 use crate::ids::{ExecutionId, HostName, SessionId, StepId, TurnId};
 
-pub const LANE_STREAM: &str = "TS_LANE";
+/// Every session's lane items (limits retention: each item is removed once its lane is done
+/// with it, see `lane_retention`).
+pub const LANE_STREAM: &str = "TS_LANES";
+/// The lane stream of builds before 0.2 (work-queue retention). `turnstile admin provision`
+/// moves what it holds onto [`LANE_STREAM`] and deletes it (`lane_migration`).
+pub const LEGACY_LANE_STREAM: &str = "TS_LANE";
+/// Where a lane's done items are removed (`STREAM.PURGE` with the lane's subject as filter).
+pub fn lane_purge() -> String {
+    format!("$JS.API.STREAM.PURGE.{LANE_STREAM}")
+}
+/// What the legacy lane stream listens on while its items are moved: a subject nothing
+/// publishes, so the new stream may take the lane subjects.
+pub const LEGACY_LANE_RETIRED: &str = "ts.retired.lane.>";
 pub const TRANSPORT_STREAM: &str = "TS_TRANSPORT";
 pub const COMPLETION_STREAM: &str = "TS_COMPLETION";
 pub const STEP_STREAM: &str = "TS_STEP";

@@ -95,6 +95,8 @@ pub enum TopologyError {
         name: String,
         source: async_nats::Error,
     },
+    #[error(transparent)]
+    LaneMigration(#[from] crate::lane_migration::MigrationError),
 }
 
 /// The buckets every service opens.
@@ -166,8 +168,14 @@ pub async fn bind(js: &jetstream::Context) -> Result<Buckets, TopologyError> {
 /// only [`bind`].
 pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<(), TopologyError> {
     use stream::RetentionPolicy::{Limits, WorkQueue};
+    // A deployment of an older build keeps its lanes on a work-queue stream: it gives up the
+    // lane subjects first, so the lane stream below may take them (`lane_migration`).
+    let legacy_lanes = crate::lane_migration::retire(js).await?;
     let mut streams = vec![
-        stream_config(subjects::LANE_STREAM, &[subjects::LANE_ALL], WorkQueue),
+        // Limits, not work-queue: on a work-queue stream every consumer created is checked
+        // against every other for overlap, a cost in proportion to the lanes already there.
+        // Each item is removed by its lane once done with it (`lane::send_removal`).
+        stream_config(subjects::LANE_STREAM, &[subjects::LANE_ALL], Limits),
         stream_config(
             subjects::TRANSPORT_STREAM,
             &[subjects::TRANSPORT_ALL],
@@ -189,7 +197,8 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
     for s in &mut streams {
         s.max_consumers = cfg.max_consumers;
         s.num_replicas = cfg.replicas;
-        if s.retention == Limits {
+        // The lanes keep an item until its lane is done with it, however long it waits.
+        if s.retention == Limits && s.name != subjects::LANE_STREAM {
             s.max_age = cfg.events_max_age;
             // The server refuses a duplicate window longer than the age limit.
             s.duplicate_window = s.duplicate_window.min(cfg.events_max_age);
@@ -257,7 +266,11 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
             }
         }
     }
-    provision_deliveries(js, &bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO)).await
+    provision_deliveries(js, &bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO)).await?;
+    if legacy_lanes {
+        crate::lane_migration::finish(js).await?;
+    }
+    Ok(())
 }
 
 /// The deliveries bucket's stream allows message deletes: a delivery removes its marker by

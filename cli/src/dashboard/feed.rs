@@ -31,6 +31,10 @@ const RECONNECT_CHECK: Duration = Duration::from_secs(1);
 const RECENT_IDS: usize = 20_000;
 /// Changes to one session or schedule within this are read once.
 const REFRESH_DEBOUNCE: Duration = Duration::from_millis(100);
+/// When a stale session is read once more: a lane acks its item a moment after the event
+/// that ends the item's turn or run, so the first read can still show it busy, and no event
+/// follows the ack.
+const SESSION_SETTLE: Duration = Duration::from_secs(1);
 const CALL: Duration = Duration::from_secs(10);
 
 /// What every page receives.
@@ -220,10 +224,27 @@ async fn refresh(
         while let Ok(s) = stale.try_recv() {
             batch.insert(s);
         }
+        let sessions: Vec<Stale> = batch
+            .iter()
+            .filter(|s| matches!(s, Stale::Session(_)))
+            .cloned()
+            .collect();
         let reads = batch.into_iter().map(|s| read(&client, s));
         for frame in futures::future::join_all(reads).await.into_iter().flatten() {
             let _ = tx.send(frame);
         }
+        if !sessions.is_empty() {
+            tokio::spawn(read_again(client.clone(), sessions, tx.clone()));
+        }
+    }
+}
+
+/// The sessions of a batch read once more after [`SESSION_SETTLE`].
+async fn read_again(client: async_nats::Client, sessions: Vec<Stale>, tx: broadcast::Sender<Feed>) {
+    tokio::time::sleep(SESSION_SETTLE).await;
+    let reads = sessions.into_iter().map(|s| read(&client, s));
+    for frame in futures::future::join_all(reads).await.into_iter().flatten() {
+        let _ = tx.send(frame);
     }
 }
 

@@ -607,6 +607,8 @@ async fn routed_again(stack: &mut Stack) -> Result<()> {
         first[0].text
     );
     stack.wait_idle(&s).await?;
+    // The first delivery's item is removed once done, so the next item read is the repeat's.
+    stack.wait_lane_emptied(&s).await?;
     // The same end again, under another message id (a copy the queue's de-duplication lets
     // through, as a redelivery is).
     // The lane frozen, so the item the repeat arms stays on it to be read.
@@ -1044,4 +1046,68 @@ async fn claim_by_hand(
     arming::claim(js, &buckets.deliveries, s, arming::Trust::YoungMarkers)
         .await?
         .context("nothing armed on an idle lane")
+}
+
+/// R4 on a lane stream that keeps items until removed: a run item its lane acked, whose
+/// removal never landed (the replica died in between), is not a run still on the lane. A
+/// stale marker is claimed again, so a completion is armed rather than left waiting for a
+/// run that ended.
+#[tokio::test]
+async fn a_finished_run_left_on_the_lane_does_not_keep_completions_unarmed() -> Result<()> {
+    let stack = Stack::bare(&[]).await?;
+    stack.provision().await?;
+    let r = finished_run_left(&stack).await;
+    report(&stack, r)
+}
+
+async fn finished_run_left(stack: &Stack) -> Result<()> {
+    use futures::StreamExt;
+    use turnstile_shared::delivery::DeliveryMarker;
+    use turnstile_shared::lane::LaneItem;
+    use turnstile_shared::runs::RunItem;
+    use turnstile_shared::{arming, subjects, topology, DeliveryId, RunId};
+    let js = stack.js_as("session-lane").await?;
+    let buckets = topology::bind(&js).await?;
+    let s = SessionId::new();
+    let lane =
+        topology::ensure_lane_consumer(&js, &topology::TopologyConfig::default(), &s).await?;
+    let item = LaneItem::Run(RunItem {
+        run: RunId::new(),
+        attempt: 0,
+    });
+    turnstile_shared::events::publish_durable_at(&js, subjects::lane(&s), &item.to_envelope(&s)?)
+        .await?;
+    // A marker armed long ago, as a delivery that never came would leave.
+    let stale = DeliveryMarker {
+        delivery: DeliveryId::new(),
+        armed_at: chrono::Utc::now() - chrono::Duration::minutes(1),
+    };
+    buckets.deliveries.put(s.as_str(), &stale).await?;
+    let claim = || arming::claim(&js, &buckets.deliveries, &s, arming::Trust::OnlyTheLane);
+    ensure!(
+        claim().await?.is_none(),
+        "a run waiting on the lane is the session's deliverer"
+    );
+    // The lane serves the run to its end and acks it; its removal is lost.
+    let mut taken = lane
+        .stream()
+        .max_messages_per_batch(1)
+        .group(subjects::LANE_GROUP)
+        .messages()
+        .await?;
+    let msg = taken
+        .next()
+        .await
+        .context("the run item")?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    msg.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    ensure!(
+        stack.lane_items(&s).await?.len() == 1,
+        "the acked run item is still stored"
+    );
+    let (marker, _) = claim()
+        .await?
+        .context("the stale marker was not claimed: the ended run counted as on the lane")?;
+    ensure!(marker.delivery == stale.delivery, "{marker:?}");
+    Ok(())
 }

@@ -74,3 +74,129 @@ async fn provision_late(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// A deployment of an older build keeps its lanes on a work-queue stream. Provisioning with
+/// this build moves what it holds (queued, and in flight when the services stopped) onto the
+/// limits-retention lane stream and deletes it; the lanes then serve each item once, and
+/// remove it once done. An item the old lane had acked is not brought back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisioning_moves_a_legacy_work_queue_lane_and_its_items() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = legacy_lanes(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn legacy_lanes(stack: &mut Stack) -> Result<()> {
+    use async_nats::jetstream::{consumer, stream};
+    use futures::StreamExt;
+    use turnstile_shared::lane::{LaneItem, TurnItem};
+    use turnstile_shared::{subjects, TurnId};
+
+    let s = stack.create_session("legacy", None).await?;
+    // The services stop for the upgrade; the old build's lane stream is what is left.
+    let lane = stack.lanes.get_mut("a").context("lane a")?;
+    signal(
+        lane.pid().context("lane pid")?,
+        rustix::process::Signal::TERM,
+    )?;
+    lane.wait_exit(Duration::from_secs(20)).await?;
+    let admin = stack.js_as("admin").await?;
+    admin.delete_stream(subjects::LANE_STREAM).await?;
+    let legacy = admin
+        .create_stream(stream::Config {
+            name: subjects::LEGACY_LANE_STREAM.to_string(),
+            subjects: vec![subjects::LANE_ALL.to_string()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            allow_direct: true,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await?;
+    let old_lane = legacy
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some(subjects::lane_consumer(&s)),
+            filter_subject: subjects::lane(&s),
+            ack_policy: consumer::AckPolicy::Explicit,
+            max_ack_pending: 1,
+            ..Default::default()
+        })
+        .await?;
+    let items: Vec<(TurnId, &str)> = ["!reply acked long ago", "!reply in flight", "!reply queued"]
+        .into_iter()
+        .map(|text| (TurnId::new(), text))
+        .collect();
+    let mut seqs = Vec::new();
+    for (turn, text) in &items {
+        let item = LaneItem::Turn(TurnItem {
+            turn: turn.clone(),
+            text: text.to_string(),
+            recorded: None,
+        });
+        seqs.push(
+            turnstile_shared::events::publish_durable_at(
+                &admin,
+                subjects::lane(&s),
+                &item.to_envelope(&s)?,
+            )
+            .await?,
+        );
+    }
+    // The old lane served the first item to its end (an acked item of a work queue is gone)
+    // and held the second when it stopped.
+    legacy.delete_message(seqs[0]).await?;
+    let mut taken = old_lane.fetch().max_messages(1).messages().await?;
+    let second = taken
+        .next()
+        .await
+        .context("second item")?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    ensure!(
+        second.payload.windows(9).any(|w| w == b"in flight"),
+        "the old lane held another item"
+    );
+
+    stack.provision().await?;
+    ensure!(
+        admin
+            .get_stream(subjects::LEGACY_LANE_STREAM)
+            .await
+            .is_err(),
+        "the legacy lane stream is still there"
+    );
+    let info = stack.js.get_stream(subjects::LANE_STREAM).await?;
+    ensure!(
+        info.cached_info().config.retention == stream::RetentionPolicy::Limits,
+        "lane stream retention: {:?}",
+        info.cached_info().config.retention
+    );
+    ensure!(
+        stack.lane_items(&s).await?.len() == 2,
+        "the in-flight and the queued item are moved, the acked one is not"
+    );
+    // Provisioning again finds nothing left to move.
+    stack.provision().await?;
+    ensure!(stack.lane_items(&s).await?.len() == 2, "moved twice");
+
+    stack.spawn_lane("b")?;
+    for (turn, _) in &items[1..] {
+        let rec = stack.wait_turn(turn, Duration::from_secs(30)).await?;
+        ensure!(
+            matches!(rec.state, TurnState::Completed { .. }),
+            "{turn}: {:?}",
+            rec.state
+        );
+    }
+    ensure!(
+        stack.turn(&items[0].0).await?.is_none(),
+        "the item the old lane had acked was served again"
+    );
+    let transcript = stack.transcript(&s).await?;
+    for text in ["!reply in flight", "!reply queued"] {
+        ensure!(
+            crate::stack::count(&transcript, text) == 1,
+            "{text:?} typed other than once: {transcript:?}"
+        );
+    }
+    stack.wait_lane_emptied(&s).await?;
+    Ok(())
+}

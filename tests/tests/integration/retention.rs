@@ -9,7 +9,7 @@ use anyhow::{ensure, Context, Result};
 use chrono::Utc;
 use turnstile_shared::api::{self, ErrorCode, SessionRef};
 use turnstile_shared::page::{Page, PageRequest};
-use turnstile_shared::records::SessionRecord;
+use turnstile_shared::records::{SessionRecord, TurnState};
 use turnstile_shared::runs::{RunRecord, RunState};
 use turnstile_shared::schedules::ListRuns;
 use turnstile_shared::subjects::{self, api as subj};
@@ -107,6 +107,38 @@ async fn retention(stack: &mut Stack) -> Result<()> {
     ensure!(session.is_active(), "the live session: {:?}", session.state);
     // And it finishes normally afterwards.
     stack.wait_run(&live.id, Duration::from_secs(60)).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_lane_keeps_its_items_until_done_then_removes_them() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = lane_items(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn lane_items(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("kept-items", None).await?;
+    let slow = stack.send(&s, "!sleep 2s\n!reply slow").await?;
+    let queued = stack.send(&s, "!reply queued").await?;
+    stack.wait_running(&slow).await?;
+    // One item in flight and one queued: both stored, however long they wait.
+    let held = stack.lane_items(&s).await?;
+    ensure!(held.len() == 2, "items stored while one runs: {held:?}");
+    let view = stack.show(&s).await?;
+    ensure!(view.busy && view.queued == 1, "{view:?}");
+    for t in [&slow, &queued] {
+        let rec = stack.wait_turn(t, Duration::from_secs(30)).await?;
+        ensure!(
+            matches!(rec.state, TurnState::Completed { .. }),
+            "{t}: {:?}",
+            rec.state
+        );
+    }
+    // Done with, each is removed: the stream keeps nothing of an idle lane.
+    stack.wait_lane_emptied(&s).await?;
+    let view = stack.wait_idle(&s).await?;
+    ensure!(!view.busy && view.queued == 0, "{view:?}");
     Ok(())
 }
 

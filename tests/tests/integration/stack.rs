@@ -622,6 +622,37 @@ impl Stack {
         .await
     }
 
+    /// The stream sequences of every item stored on the session's lane (in flight, queued, or
+    /// done and not removed yet), oldest first.
+    pub async fn lane_items(&self, session: &SessionId) -> Result<Vec<u64>> {
+        use async_nats::jetstream::stream::DirectGetErrorKind;
+        let lanes = self.js.get_stream_no_info(subjects::LANE_STREAM).await?;
+        let subject = subjects::lane(session);
+        let mut seqs = Vec::new();
+        loop {
+            let from = seqs.last().map_or(1, |s| s + 1);
+            match lanes
+                .direct_get_next_for_subject(subject.as_str(), Some(from))
+                .await
+            {
+                Ok(m) => seqs.push(m.sequence),
+                Err(e) if e.kind() == DirectGetErrorKind::NotFound => return Ok(seqs),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Waits until nothing of the session's lane is stored any more: every item done with is
+    /// removed (its lane removes it a moment after acking it).
+    pub async fn wait_lane_emptied(&self, session: &SessionId) -> Result<()> {
+        wait_until(
+            "the lane's items to be removed",
+            Duration::from_secs(20),
+            || async { Ok(self.lane_items(session).await?.is_empty().then_some(())) },
+        )
+        .await
+    }
+
     pub async fn turn(&self, turn: &TurnId) -> Result<Option<TurnRecord>> {
         let kv = self.js.get_key_value(subjects::TURNS_BUCKET).await?;
         match kv.get(turn.as_str()).await? {

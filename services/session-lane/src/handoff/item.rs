@@ -11,6 +11,35 @@ use turnstile_shared::subjects;
 
 use crate::ctx::Ctx;
 
+/// Removes an item its kind is done with from the lane stream, once the server has confirmed
+/// its ack. Only then: the server handles the removal of an item its consumer still has
+/// pending badly (nats-server 2.15: the lane's next item then waited up to the ack wait for
+/// about half of such removals; an unconfirmed ack with the removal right behind it on the
+/// same connection still lost that race under load). Right after: an ack lives in the
+/// consumer's state, which the server writes to disk a while after taking it, so an ack taken
+/// just before the server is killed can be lost, and the recovered consumer holds the item for
+/// the ack wait; the removal is on disk with the stream, and a recovered consumer lets go of a
+/// removed item. Together they do what a work-queue ack does in one step.
+pub(crate) async fn remove_item(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message) {
+    let Ok(info) = msg.info() else {
+        return;
+    };
+    let seq = info.stream_sequence;
+    if let Err(e) = turnstile_shared::lane::send_removal(&ctx.client, &session.id, seq).await {
+        tracing::debug!(session = %session.id, seq, error = %e, "remove a done lane item; the next removal takes it");
+    }
+}
+
+/// The lane is done with this item: acked (the ack confirmed, so whoever reads the lane next
+/// sees it free), then removed.
+pub(crate) async fn acked(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message) {
+    match msg.double_ack().await {
+        Ok(()) => remove_item(ctx, session, msg).await,
+        // Unconfirmed: a redelivery finds the item's end and acks it again.
+        Err(e) => tracing::debug!(session = %session.id, error = %e, "ack lane item"),
+    }
+}
+
 /// Gives a lane item back unacked (never once this replica is fenced). At process shutdown the nak waits until this replica's
 /// connection is closed (so the item cannot come straight back to one of its pull requests);
 /// otherwise (the session was stopped) it is sent at once.
@@ -45,6 +74,9 @@ pub(crate) async fn reject(
         &json!({ "reason": reason, "lane_seq": seq, "dead_letter": dlq }),
     )
     .map(|e| e.with_id(format!("{}:lane.rejected:{seq}", session.id)));
+    // Its termination is not confirmed, so it is not removed here (a removal the server takes
+    // before the termination holds the lane, see `remove_item`): the lane's next removal, or
+    // its session's stop, takes it.
     match event {
         Ok(event) => deadletter::refuse(&ctx.js, msg, dlq, reason, &event).await,
         Err(e) => tracing::error!(session = %session.id, error = %e, "build lane.rejected"),

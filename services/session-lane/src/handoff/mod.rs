@@ -1,7 +1,8 @@
 //! The hand-off primitives the lane's item kinds share, called downward only (the kinds in
 //! `lane/` use them; nothing here knows the kinds):
 //!
-//! - `item`: give a lane item back, or refuse it to the dead-letter subject (R15);
+//! - `item`: free the lane of an item done with (acked, then removed from the lane stream),
+//!   give it back, or refuse it to the dead-letter subject (R15);
 //! - `turn`: dispatch a turn, wait for its recorded outcome, tell its end and finish it (R9,
 //!   R14);
 //! - `completions`: collect, check (R8) and settle (R3) the completions a turn carries, and
@@ -14,5 +15,5 @@ mod turn;
 pub(crate) use completions::{
     collect, collect_expecting, disarm_and_recheck, rearm_if_pending, settle, DeliveryError,
 };
-pub(crate) use item::{reject, release};
+pub(crate) use item::{acked, reject, release, remove_item};
 pub(crate) use turn::{dispatch, finish, outcome_event, tell_end, wait_terminal, Watch};

@@ -228,23 +228,29 @@ pub(crate) async fn finish(
 ) {
     observe_end(record);
     let event = end_event(record);
-    // The event is sent before the ack (so readers see it before the next turn starts) and its
-    // acknowledgement awaited after, keeping the hand-off to one round trip. The ack is not
-    // confirmed: the server serves the lane's next item only once it has taken it, and one lost
-    // with a connection comes back as a redelivery, which finds the turn ended and only
-    // finishes it (three protocol messages fewer on every hand-off).
+    // The event is sent before the ack (so readers see it before the next turn starts), and
+    // both acknowledgements are awaited together, keeping the hand-off to one round trip: the
+    // server serves the lane's next item as soon as it has taken the ack. An ack lost with a
+    // connection comes back as a redelivery, which finds the turn ended and only finishes it.
+    // Once the ack is confirmed the item is removed from the lane stream (`remove_item`).
     let sent = match &event {
         Some(ev) => Some(events::send(&ctx.js, ev).await),
         None => None,
     };
-    if let Err(e) = msg.ack().await {
-        tracing::warn!(session = %session.id, turn = %record.id, error = %e, "ack lane item");
-    }
-    let acked = match sent {
-        Some(Ok(ack)) => ack.await,
-        Some(Err(e)) => Err(e),
-        None => Ok(()),
+    let event_acked = async {
+        match sent {
+            Some(Ok(ack)) => ack.await,
+            Some(Err(e)) => Err(e),
+            None => Ok(()),
+        }
     };
+    let (acked, lane_acked) = futures::join!(event_acked, msg.double_ack());
+    match lane_acked {
+        Ok(()) => super::remove_item(ctx, session, msg).await,
+        Err(e) => {
+            tracing::warn!(session = %session.id, turn = %record.id, error = %e, "ack lane item")
+        }
+    }
     if let (Err(e), Some(ev)) = (acked, event) {
         tracing::warn!(turn = %record.id, error = %e, "outcome event; retrying");
         tokio::spawn(republish(ctx.js.clone(), ev));

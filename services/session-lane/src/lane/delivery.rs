@@ -14,7 +14,7 @@ use turnstile_shared::TurnId;
 
 use crate::ctx::Ctx;
 use crate::handoff::{
-    collect_expecting, disarm_and_recheck, dispatch, finish, release, settle, wait_terminal,
+    acked, collect_expecting, disarm_and_recheck, dispatch, finish, release, settle, wait_terminal,
     DeliveryError, Watch,
 };
 use turnstile_shared::metrics::item_kind;
@@ -82,8 +82,7 @@ pub(super) async fn run_delivery(
                 if let Err(e) = disarm_and_recheck(ctx, &session.id, &item, unseen.as_ref()).await {
                     return retry(e).await;
                 }
-                let _ = msg.double_ack().await;
-                return;
+                return acked(ctx, session, &msg).await;
             }
             let record = carrying(session, &turn_id, &item, &carried);
             let command = command_for(session, &record, true);

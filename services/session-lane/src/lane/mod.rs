@@ -1,6 +1,7 @@
 //! One session's lane worker: pulls the session's next lane item (at most one is ever in
 //! flight), hands it to its kind, and moves on when the kind has acked it. Occupancy is exactly
-//! "this consumer has an unacked item" (R1); nothing else records it.
+//! "this consumer has an unacked item" (R1); nothing else records it. A kind done with its item
+//! removes it from the lane stream (limits retention keeps it otherwise) right behind its ack.
 //!
 //! The kinds, one file each, call down into `crate::handoff` and never into each other:
 //! - `turn`: one message (`lane.turn`);

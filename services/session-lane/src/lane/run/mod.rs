@@ -30,7 +30,7 @@ use turnstile_shared::runs::{RunItem, RunRecord, RunState};
 use turnstile_shared::{DeliveryId, SessionId};
 
 use crate::ctx::Ctx;
-use crate::handoff::{disarm_and_recheck, reject, release};
+use crate::handoff::{acked, disarm_and_recheck, reject, release};
 use driver::{DriveError, Driver};
 use events::event;
 
@@ -54,8 +54,7 @@ pub(super) async fn run_run(
         return reject(ctx, session, &msg, &reason).await;
     }
     if record.state.is_terminal() {
-        let _ = msg.double_ack().await;
-        return;
+        return acked(ctx, session, &msg).await;
     }
     let record = match start(ctx, record).await {
         Ok(r) => r,
@@ -80,7 +79,7 @@ pub(super) async fn run_run(
                     tracing::warn!(run = %item.run, error = %e, "release delivery marker");
                 }
             }
-            let _ = msg.double_ack().await;
+            acked(ctx, session, &msg).await;
         }
         // Cancelled (replica stopping): the lane moves, the run continues elsewhere.
         Ok(None) => release(ctx, &msg).await,
