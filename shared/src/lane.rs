@@ -4,9 +4,9 @@
 //!
 //! The lane stream keeps an item until it is removed ([`send_removal`]): by its lane once done
 //! with it, or with the whole lane when its session stops. An item can outlive its end for as
-//! long as that removal takes, or, when its replica died in between, until the lane's next
-//! item is done; readers that ask what is still on a lane start above its consumer's ack floor
-//! ([`undone_from`]).
+//! long as that removal takes, or, when its replica died in between (or it was dead-lettered),
+//! until its session stops; readers that ask what is still on a lane start above its
+//! consumer's ack floor ([`undone_from`]).
 
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
@@ -129,22 +129,19 @@ impl LaneItem {
     }
 }
 
-/// Sends the removal of a lane's items up to and including `seq`: the item its lane is done
-/// with (acked or refused) and any earlier one whose removal was lost with a replica (a lane
-/// serves one item at a time, in order, so nothing below the item it is done with waits any
-/// more). Sent, not awaited: the lane goes on at once, and the server's answer goes to an
-/// inbox nobody reads. Send it after the item's ack, never before (see the session-lane's
-/// `remove_item`). A lost one leaves the item to the lane's next removal, or to its session's
-/// stop.
+/// Sends the removal of the lane item at `seq`, the one its lane is done with. Sent, not
+/// awaited: the lane goes on at once, and the server's answer goes to an inbox nobody reads.
+/// Send it once the item's ack is confirmed, never before (see the session-lane's
+/// `remove_item`). An item whose removal is lost (its replica killed first) stays until its
+/// session stops; readers skip it ([`undone_from`]).
 pub async fn send_removal(
     client: &async_nats::Client,
-    session: &SessionId,
     seq: u64,
 ) -> Result<(), async_nats::PublishError> {
-    let request = serde_json::json!({ "filter": crate::subjects::lane(session), "seq": seq + 1 });
+    let request = serde_json::json!({ "seq": seq, "no_erase": true });
     client
         .publish_with_reply(
-            crate::subjects::lane_purge(),
+            crate::subjects::lane_item_delete(),
             client.new_inbox(),
             request.to_string().into(),
         )

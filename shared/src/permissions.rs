@@ -204,9 +204,10 @@ impl Role {
             Role::SessionLane => service(
                 &[subjects::LANE_STREAM, subjects::COMPLETION_STREAM],
                 &[
-                    // A lane's done items and a stopped session's lane are purged; a
+                    // A stopped session's lane is purged, a lane's done item deleted; a
                     // handed-over completion deleted.
-                    subjects::lane_purge(),
+                    format!("$JS.API.STREAM.PURGE.{}", subjects::LANE_STREAM),
+                    subjects::lane_item_delete(),
                     // A departed replica's liveness and pin keys are purged, markers and all.
                     format!("$JS.API.STREAM.PURGE.{}", subjects::REPLICAS_KV_STREAM),
                     format!("$JS.API.STREAM.MSG.DELETE.{}", subjects::COMPLETION_STREAM),

