@@ -286,7 +286,12 @@ async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
         .await
         .map_err(ApiError::internal)?;
     let subject = subjects::lane(session);
-    let mut seq = 0;
+    // From above the ack floor: a done item whose removal was lost is no turn to fail (its
+    // record may be gone by its retention, and would be written again).
+    let mut seq = turnstile_shared::lane::undone_from(&stream, session)
+        .await
+        .map_err(ApiError::internal)?
+        - 1;
     loop {
         let msg = match stream
             .direct_get_next_for_subject(subject.as_str(), Some(seq + 1))
