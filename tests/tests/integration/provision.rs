@@ -178,14 +178,8 @@ async fn legacy_lanes(stack: &mut Stack) -> Result<()> {
     ensure!(stack.lane_items(&s).await?.len() == 2, "moved twice");
 
     stack.spawn_lane("b")?;
-    for (turn, _) in &items[1..] {
-        let rec = stack.wait_turn(turn, Duration::from_secs(30)).await?;
-        ensure!(
-            matches!(rec.state, TurnState::Completed { .. }),
-            "{turn}: {:?}",
-            rec.state
-        );
-    }
+    let moved: Vec<TurnId> = items[1..].iter().map(|(t, _)| t.clone()).collect();
+    stack.all_complete(&moved).await?;
     ensure!(
         stack.turn(&items[0].0).await?.is_none(),
         "the item the old lane had acked was served again"

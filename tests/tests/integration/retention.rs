@@ -9,7 +9,7 @@ use anyhow::{ensure, Context, Result};
 use chrono::Utc;
 use turnstile_shared::api::{self, ErrorCode, SessionRef};
 use turnstile_shared::page::{Page, PageRequest};
-use turnstile_shared::records::{SessionRecord, TurnState};
+use turnstile_shared::records::SessionRecord;
 use turnstile_shared::runs::{RunRecord, RunState};
 use turnstile_shared::schedules::ListRuns;
 use turnstile_shared::subjects::{self, api as subj};
@@ -127,14 +127,7 @@ async fn lane_items(stack: &mut Stack) -> Result<()> {
     ensure!(held.len() == 2, "items stored while one runs: {held:?}");
     let view = stack.show(&s).await?;
     ensure!(view.busy && view.queued == 1, "{view:?}");
-    for t in [&slow, &queued] {
-        let rec = stack.wait_turn(t, Duration::from_secs(30)).await?;
-        ensure!(
-            matches!(rec.state, TurnState::Completed { .. }),
-            "{t}: {:?}",
-            rec.state
-        );
-    }
+    stack.all_complete(&[slow, queued]).await?;
     // Done with, each is removed: the stream keeps nothing of an idle lane.
     stack.wait_lane_emptied(&s).await?;
     let view = stack.wait_idle(&s).await?;
