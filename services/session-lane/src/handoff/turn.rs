@@ -244,7 +244,7 @@ pub(crate) async fn finish(
             None => Ok(()),
         }
     };
-    let (acked, lane_acked) = futures::join!(event_acked, msg.double_ack());
+    let (acked, lane_acked) = tokio::join!(event_acked, msg.double_ack());
     match lane_acked {
         Ok(()) => super::remove_item(ctx, session, msg).await,
         Err(e) => {
