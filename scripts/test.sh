@@ -18,6 +18,9 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # Integration tests spawn the service binaries as real processes (to SIGKILL them).
 cargo build --workspace --bins
+# The README's benchmark command builds one package, whose features are not the whole
+# workspace's (a macro behind a feature only another crate turned on once broke it).
+cargo check -p turnstile-bench --bins
 # Unit tests first, the integration suite last (its summary closes the run).
 cargo test --workspace --lib --bins
 cargo test -p turnstile-tests --test integration -- --test-threads "${TEST_THREADS:-2}"
