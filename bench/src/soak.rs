@@ -18,7 +18,7 @@ use turnstile_shared::api::{self, ErrorCode, SendTurn};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::{ExecutionRecord, Scope, StepResult};
 use turnstile_shared::principal::Principal;
-use turnstile_shared::records::{SessionRecord, TurnRecord};
+use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::schedules::{ScheduleRecord, ScheduleSpec};
 use turnstile_shared::step_api::{
     Caller, Report, ReportAck, StartStep, StepKind, StepReport, StepWorkItem,
@@ -214,7 +214,7 @@ async fn cycle(
         text: format!("soak turn {n}\n!sleep 400ms"),
         turn: None,
     };
-    let _: TurnRecord = api::call(client, subj::SESSION_SEND, &send, CALL).await?;
+    let sent: TurnRecord = api::call(client, subj::SESSION_SEND, &send, CALL).await?;
     let req = StartStep {
         caller: caller.clone(),
         name: format!("soak-{n}"),
@@ -234,8 +234,44 @@ async fn cycle(
             Err(e) if e.code == ErrorCode::NoTurn && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            Err(e) if e.code == ErrorCode::NoTurn => {
+                let state = turn_state(client, &sent).await;
+                let now = chrono::Utc::now();
+                return Err(anyhow::anyhow!(
+                    "{e} (at {now}; its turn {}, queued {}: {state})",
+                    sent.id,
+                    sent.queued_at
+                ));
+            }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+/// What became of a turn whose step start was refused `no_turn` until the deadline: read
+/// back so the soak's log says why (it ended before any start got in, or never ran).
+async fn turn_state(client: &async_nats::Client, sent: &TurnRecord) -> String {
+    let js = async_nats::jetstream::new(client.clone());
+    let record = match js.get_key_value(subjects::TURNS_BUCKET).await {
+        Ok(kv) => kv.get(sent.id.as_str()).await,
+        Err(e) => return format!("turns bucket: {e}"),
+    };
+    match record {
+        Ok(Some(bytes)) => match serde_json::from_slice::<TurnRecord>(&bytes) {
+            Ok(r) => match r.state {
+                TurnState::Queued => "still queued".into(),
+                TurnState::Running { typed_at, .. } => format!("running since {typed_at}"),
+                TurnState::Completed {
+                    typed_at, ended_at, ..
+                } => format!("completed, typed {typed_at}, ended {ended_at}"),
+                TurnState::Failed {
+                    ended_at, reason, ..
+                } => format!("failed {reason} at {ended_at}"),
+            },
+            Err(e) => format!("unreadable record: {e}"),
+        },
+        Ok(None) => "no record".into(),
+        Err(e) => format!("read: {e}"),
     }
 }
 
