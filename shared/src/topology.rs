@@ -221,12 +221,6 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         num_replicas: cfg.replicas,
         ..Default::default()
     };
-    // Liveness is worth nothing after a restart of every server: kept in memory (still
-    // replicated in a cluster), so the heartbeats cost no disk writes.
-    let in_memory = |mut c: kv::Config| {
-        c.storage = stream::StorageType::Memory;
-        c
-    };
     let record = cfg.record_retention;
     let tree = record + cfg.tree_margin;
     for (config, retention) in [
@@ -243,10 +237,6 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         (bucket(subjects::RUNS_BUCKET, Duration::ZERO), Some(record)),
         (bucket(subjects::SCHEDULES_BUCKET, Duration::ZERO), None),
         (bucket(subjects::SLOTS_BUCKET, Duration::ZERO), Some(record)),
-        (
-            in_memory(bucket(subjects::REPLICAS_BUCKET, Duration::ZERO)),
-            None,
-        ),
     ] {
         let name = config.bucket.clone();
         let err = |e: async_nats::Error| TopologyError::Bucket {
@@ -267,6 +257,7 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         }
     }
     provision_deliveries(js, &bucket(subjects::DELIVERIES_BUCKET, Duration::ZERO)).await?;
+    provision_replicas(js, bucket(subjects::REPLICAS_BUCKET, Duration::ZERO)).await?;
     if legacy_lanes {
         crate::lane_migration::finish(js).await?;
     }
@@ -306,6 +297,40 @@ async fn provision_deliveries(
         }
     }
     js.create_or_update_stream(stream)
+        .await
+        .map_err(|e| err(e.into()))?;
+    Ok(())
+}
+
+/// The replicas bucket (liveness keys and lane pins) is on file storage like every other.
+/// Builds before kept it in memory, to spare the 250 ms renewals a disk write; but a restart
+/// of a single server dropped it: every renewal failed from then on, no replica started
+/// afterwards could bind, and a killed replica's lanes waited out the pin TTL. The server
+/// cannot change a stream's storage, so a memory-stored one is made again, once. What it held
+/// is lost with it: each running replica then finds its key gone and stops, fenced, for its
+/// supervisor to start again (as after a take-over), and lanes pinned to it are served after
+/// their pin TTL.
+async fn provision_replicas(
+    js: &jetstream::Context,
+    config: kv::Config,
+) -> Result<(), TopologyError> {
+    let name = config.bucket.clone();
+    let err = |e: async_nats::Error| TopologyError::Bucket {
+        name: name.clone(),
+        source: e,
+    };
+    if let Ok(old) = js.get_stream(subjects::REPLICAS_KV_STREAM).await {
+        if old.cached_info().config.storage == stream::StorageType::Memory {
+            tracing::warn!(
+                stream = subjects::REPLICAS_KV_STREAM,
+                "made again on file storage (running session-lane replicas restart, fenced)"
+            );
+            js.delete_stream(subjects::REPLICAS_KV_STREAM)
+                .await
+                .map_err(|e| err(e.into()))?;
+        }
+    }
+    js.create_or_update_key_value(config)
         .await
         .map_err(|e| err(e.into()))?;
     Ok(())

@@ -224,6 +224,26 @@ async fn a_killed_replicas_lanes_move_within_seconds_despite_long_timeouts() -> 
     report(&stack, r)
 }
 
+/// The same fail-over after a restart of the (single) nats-server: replica liveness keeps
+/// working across it. Its bucket was memory-stored once, so a restart dropped it: renewals
+/// failed from then on, a replica started afterwards could not bind, and a killed replica's
+/// lanes waited out the pin TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_liveness_survives_a_nats_restart() -> Result<()> {
+    let slow = [
+        ("TURNSTILE_LANE_PIN_TTL", "60s"),
+        ("TURNSTILE_LANE_ACK_WAIT", "60s"),
+    ];
+    let mut stack = Stack::start_with(&["a"], &["h1"], &slow).await?;
+    let r = async {
+        stack.nats.kill().await?;
+        stack.nats.restart().await?;
+        killed_fast(&mut stack).await
+    }
+    .await;
+    report(&stack, r)
+}
+
 /// The replica that served the session's last started turn.
 async fn server_of(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<String> {
     stack
@@ -474,6 +494,9 @@ async fn idle_through_restart(stack: &mut Stack) -> Result<()> {
     let s = stack.create_session("idle-across", None).await?;
     let warm = stack.send_all(&s, &["warm up"]).await?;
     stack.all_complete(&warm).await?;
+    // Idle: its lane has taken the warm-up's ack. A lane still finishing when the server dies
+    // waits out the lost ack reply's request timeout (5 s, docs/topology.md).
+    stack.wait_idle(&s).await?;
     stack.nats.kill().await?;
     stack.nats.restart().await?;
     // The API answers again once its replica has reconnected; the retries carry one turn id,

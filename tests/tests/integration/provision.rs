@@ -194,3 +194,88 @@ async fn legacy_lanes(stack: &mut Stack) -> Result<()> {
     stack.wait_lane_emptied(&s).await?;
     Ok(())
 }
+
+/// An older build kept the replicas bucket in memory, and a server restart dropped it.
+/// Provisioning makes such a bucket again on file storage, once: the running replica finds
+/// its liveness key gone and stops, fenced (handing nothing back), and a replica started
+/// afterwards binds and serves. Provisioning again leaves the file-stored bucket and its keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisioning_moves_a_memory_replicas_bucket_to_file_storage() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = memory_replicas(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn memory_replicas(stack: &mut Stack) -> Result<()> {
+    use async_nats::jetstream::{kv, stream::StorageType};
+    use turnstile_shared::subjects;
+
+    let s = stack.create_session("replicas-on-file", None).await?;
+    let admin = stack.js_as("admin").await?;
+    let storage = |js: async_nats::jetstream::Context| async move {
+        let mut stream = js.get_stream(subjects::REPLICAS_KV_STREAM).await?;
+        anyhow::Ok(stream.info().await?.config.storage)
+    };
+    ensure!(
+        storage(admin.clone()).await? == StorageType::File,
+        "a fresh deployment keeps replica liveness on file"
+    );
+    // What an older build provisioned.
+    admin.delete_stream(subjects::REPLICAS_KV_STREAM).await?;
+    admin
+        .create_key_value(kv::Config {
+            bucket: subjects::REPLICAS_BUCKET.to_string(),
+            history: 1,
+            storage: StorageType::Memory,
+            ..Default::default()
+        })
+        .await?;
+    stack.provision().await?;
+    ensure!(
+        storage(admin.clone()).await? == StorageType::File,
+        "provisioning leaves the replicas bucket in memory"
+    );
+    let lane = stack.lanes.get_mut("a").context("lane a")?;
+    let status = lane.wait_exit(Duration::from_secs(20)).await?;
+    ensure!(
+        !status.success(),
+        "a replica whose liveness key vanished must stop, fenced: {status}"
+    );
+    ensure!(
+        lane.log_tail(200).contains("taken for dead"),
+        "the fenced replica says why it stopped"
+    );
+    stack.spawn_lane("a2")?;
+    stack.wait_serving(true).await?;
+    let turn = stack.send(&s, "!reply on file").await?;
+    let rec = stack.wait_turn(&turn, Duration::from_secs(30)).await?;
+    ensure!(
+        matches!(rec.state, TurnState::Completed { .. }),
+        "turn after the replicas bucket moved: {:?}",
+        rec.state
+    );
+    // Provisioning again changes nothing: the new replica's key is still there.
+    let replicas = admin.get_key_value(subjects::REPLICAS_BUCKET).await?;
+    let keys_before = live_keys(&replicas).await?;
+    ensure!(!keys_before.is_empty(), "replica a2 announced itself");
+    stack.provision().await?;
+    ensure!(
+        live_keys(&replicas).await? == keys_before,
+        "provisioning again dropped liveness keys"
+    );
+    Ok(())
+}
+
+async fn live_keys(kv: &async_nats::jetstream::kv::Store) -> Result<Vec<String>> {
+    use futures::TryStreamExt;
+    let mut keys: Vec<String> = kv
+        .keys()
+        .await?
+        .try_collect::<Vec<_>>()
+        .await?
+        .into_iter()
+        .filter(|k| k.starts_with("live."))
+        .collect();
+    keys.sort();
+    Ok(keys)
+}
