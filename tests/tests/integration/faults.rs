@@ -494,19 +494,35 @@ async fn idle_through_restart(stack: &mut Stack) -> Result<()> {
     let s = stack.create_session("idle-across", None).await?;
     let warm = stack.send_all(&s, &["warm up"]).await?;
     stack.all_complete(&warm).await?;
-    // Idle: its lane has taken the warm-up's ack. A lane still finishing when the server dies
-    // waits out the lost ack reply's request timeout (5 s, docs/topology.md).
+    // Idle: its lane has taken the warm-up's ack (a lane still finishing as the server dies is
+    // `a_lane_finishing_as_nats_dies_serves_its_next_turn_without_waiting_out_lost_replies`).
     stack.wait_idle(&s).await?;
     stack.nats.kill().await?;
     stack.nats.restart().await?;
-    // The API answers again once its replica has reconnected; the retries carry one turn id,
-    // so a send that got through without its reply is not sent twice.
+    let turn = send_after_restart(stack, &s, "after the restart").await?;
+    stack
+        .all_complete_within(&[turn], Duration::from_secs(20))
+        .await?;
+    stack
+        .typed_exactly_once(&s, &["warm up", "after the restart"])
+        .await?;
+    Ok(())
+}
+
+/// Sends a turn once the session API answers again after a server restart (its replica has
+/// reconnected). The retries carry one turn id, so a send that got through without its
+/// reply is not sent twice.
+async fn send_after_restart(
+    stack: &Stack,
+    s: &turnstile_shared::SessionId,
+    text: &str,
+) -> Result<turnstile_shared::TurnId> {
     let req = turnstile_shared::api::SendTurn {
         session: s.clone(),
-        text: "after the restart".into(),
+        text: text.into(),
         turn: Some(turnstile_shared::TurnId::new()),
     };
-    let turn = turnstile_tests::wait_until(
+    wait_until(
         "the session API after the restart",
         Duration::from_secs(20),
         || async {
@@ -521,13 +537,41 @@ async fn idle_through_restart(stack: &mut Stack) -> Result<()> {
             Ok(sent.ok().map(|r| r.id))
         },
     )
-    .await?;
-    stack
-        .all_complete_within(&[turn], Duration::from_secs(20))
-        .await?;
-    stack
-        .typed_exactly_once(&s, &["warm up", "after the restart"])
-        .await?;
+    .await
+}
+
+/// A lane finishing a turn as the server dies (its lane ack and outcome event sent, their
+/// replies lost with the connection) serves its next turn right after the restart, not after
+/// the 5 s JetStream request timeout those replies would otherwise be waited for. Each
+/// round kills the server the moment a turn is seen completed, which lands inside the lane's
+/// finish most of the time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_finishing_as_nats_dies_serves_its_next_turn_without_waiting_out_lost_replies(
+) -> Result<()> {
+    let slow = [("TURNSTILE_LANE_PIN_TTL", "120s")];
+    let mut stack = Stack::start_with(&["a"], &["h1"], &slow).await?;
+    let r = finishing_through_restarts(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn finishing_through_restarts(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("finishing-across", None).await?;
+    let mut texts = vec!["round 0".to_string()];
+    let first = stack.send_all(&s, &texts).await?;
+    stack.all_complete(&first).await?;
+    for round in 1..=4 {
+        stack.nats.kill().await?;
+        stack.nats.restart().await?;
+        let text = format!("round {round}");
+        let turn = send_after_restart(stack, &s, &text).await?;
+        // Under the 5 s request timeout a lost reply was waited for.
+        stack
+            .all_complete_within(&[turn], Duration::from_secs(3))
+            .await
+            .with_context(|| format!("round {round}"))?;
+        texts.push(text);
+    }
+    stack.typed_exactly_once(&s, &texts).await?;
     Ok(())
 }
 

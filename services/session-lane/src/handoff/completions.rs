@@ -360,7 +360,7 @@ pub(crate) async fn settle(
         // resumed after a crash, or a failed ack). Removal is idempotent.
         let mut all = held.len() == carried.completions.len();
         for h in &held {
-            if let Err(e) = h.double_ack().await {
+            if let Err(e) = super::reconnect::double_ack(ctx, h).await {
                 tracing::warn!(session = %session.id, error = %e, "ack completion; removing by sequence");
                 all = false;
                 break;

@@ -33,7 +33,7 @@ pub(crate) async fn remove_item(ctx: &Ctx, session: &SessionRecord, msg: &jetstr
 /// The lane is done with this item: acked (the ack confirmed, so whoever reads the lane next
 /// sees it free), then removed.
 pub(crate) async fn acked(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message) {
-    match msg.double_ack().await {
+    match super::reconnect::double_ack(ctx, msg).await {
         Ok(()) => remove_item(ctx, session, msg).await,
         // Unconfirmed: a redelivery finds the item's end and acks it again.
         Err(e) => tracing::debug!(session = %session.id, error = %e, "ack lane item"),

@@ -6,10 +6,12 @@
 //! - `turn`: dispatch a turn, wait for its recorded outcome, tell its end and finish it (R9,
 //!   R14);
 //! - `completions`: collect, check (R8) and settle (R3) the completions a turn carries, and
-//!   the delivery marker's clearing and re-arming.
+//!   the delivery marker's clearing and re-arming;
+//! - `reconnect`: a reply lost with a reconnect is not waited out.
 
 mod completions;
 mod item;
+mod reconnect;
 mod turn;
 
 pub(crate) use completions::{

@@ -233,18 +233,24 @@ pub(crate) async fn finish(
     // server serves the lane's next item as soon as it has taken the ack. An ack lost with a
     // connection comes back as a redelivery, which finds the turn ended and only finishes it.
     // Once the ack is confirmed the item is removed from the lane stream (`remove_item`).
+    // A reply lost with a reconnect is not waited out (`reconnect`): the ack counts as
+    // unconfirmed, the event is published again (de-duplicated by its id).
+    let reconnects = ctx.pulls.reconnects();
     let sent = match &event {
         Some(ev) => Some(events::send(&ctx.js, ev).await),
         None => None,
     };
     let event_acked = async {
         match sent {
-            Some(Ok(ack)) => ack.await,
-            Some(Err(e)) => Err(e),
+            Some(Ok(ack)) => match super::reconnect::unless_reconnected(reconnects, ack).await {
+                Some(r) => r.map_err(|e| e.to_string()),
+                None => Err("its reply was lost with a reconnect".to_string()),
+            },
+            Some(Err(e)) => Err(e.to_string()),
             None => Ok(()),
         }
     };
-    let (acked, lane_acked) = tokio::join!(event_acked, msg.double_ack());
+    let (acked, lane_acked) = tokio::join!(event_acked, super::reconnect::double_ack(ctx, msg));
     match lane_acked {
         Ok(()) => super::remove_item(ctx, session, msg).await,
         Err(e) => {

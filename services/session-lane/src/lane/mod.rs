@@ -103,9 +103,16 @@ async fn serve(
                         .observe(behind as f64);
                     note_pin(ctx, &session.id, &msg, &mut pin);
                     match &in_flight {
-                        // A redelivery of the item we still hold (its ack wait ran out).
+                        // A redelivery of the item we still hold: its ack wait ran out, or a
+                        // restarted server lost its ack. Kept for when the handler ends: it
+                        // then finds the item's end and finishes it through this delivery,
+                        // whose ack the server answers (not the earlier one's, after a
+                        // restart). An item the handler did free is only acked again.
                         Some((current, _)) if *current == seq => {
-                            tracing::debug!(session = %session.id, seq, "redelivery of item in flight");
+                            tracing::debug!(session = %session.id, seq, "redelivery of item in flight; kept for after it");
+                            if next_item.is_none() {
+                                next_item = Some(msg);
+                            }
                         }
                         _ => next_item = Some(msg),
                     }

@@ -69,6 +69,9 @@ pub(crate) struct PullHub {
     waiters: Mutex<HashMap<String, Waiter>>,
     /// Set once a survivor took this replica's lanes: nothing is given back from then on.
     fenced: CancellationToken,
+    /// How many times the connection has been made (bumped when the hub sees a reconnect):
+    /// what a wait for a reply lost with the old connection watches (`handoff::reconnect`).
+    connects: tokio::sync::watch::Sender<u64>,
 }
 
 impl PullHub {
@@ -88,9 +91,16 @@ impl PullHub {
             next_token: AtomicU64::new(1),
             waiters: Mutex::new(HashMap::new()),
             fenced,
+            connects: tokio::sync::watch::Sender::new(0),
         });
         tokio::spawn(hub.clone().route(replies, shutdown));
         Ok(hub)
+    }
+
+    /// Changes each time the hub sees the connection made again (within
+    /// `RECONNECT_CHECK`).
+    pub(crate) fn reconnects(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.connects.subscribe()
     }
 
     /// Routes each reply to the lane waiting on it; watches for reconnects, after which every
@@ -117,6 +127,7 @@ impl PullHub {
                         connects = now;
                         // Dropping the senders wakes every waiting lane to send a new request.
                         self.lock().clear();
+                        self.connects.send_replace(now);
                         tracing::debug!("reconnected: lane pull requests renewed");
                     }
                 }
