@@ -107,10 +107,14 @@ async fn serve(
                         // restarted server lost its ack. Kept for when the handler ends: it
                         // then finds the item's end and finishes it through this delivery,
                         // whose ack the server answers (not the earlier one's, after a
-                        // restart). An item the handler did free is only acked again.
+                        // restart): the latest one kept. An item the handler did free is
+                        // only acked again.
                         Some((current, _)) if *current == seq => {
                             tracing::debug!(session = %session.id, seq, "redelivery of item in flight; kept for after it");
-                            if next_item.is_none() {
+                            let held_seq = next_item
+                                .as_ref()
+                                .and_then(|m| m.info().ok().map(|i| i.stream_sequence));
+                            if held_seq.is_none_or(|s| s == seq) {
                                 next_item = Some(msg);
                             }
                         }
