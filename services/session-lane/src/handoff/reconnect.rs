@@ -31,12 +31,12 @@ pub(crate) async fn double_ack(
 }
 
 /// `reply`, or `None` if the connection was made again since `reconnects` was taken (before
-/// the request was sent): its reply is lost.
+/// the request was sent): its reply is lost. A fresh receiver has seen the current count, so
+/// a reconnect between taking it and this wait still counts (not marked seen here).
 pub(crate) async fn unless_reconnected<T>(
     mut reconnects: watch::Receiver<u64>,
     reply: impl std::future::Future<Output = T>,
 ) -> Option<T> {
-    reconnects.borrow_and_update();
     tokio::select! {
         biased;
         r = reply => Some(r),
