@@ -351,9 +351,24 @@ impl Bucket {
     pub async fn modify_from<T, F>(
         &self,
         key: &str,
+        known: Option<(T, u64)>,
+        f: F,
+    ) -> Result<Option<T>, KvError>
+    where
+        T: Serialize + DeserializeOwned + Retained,
+        F: FnMut(Option<&T>) -> Change<T>,
+    {
+        Ok(self.modify_at(key, known, f).await?.map(|(v, _)| v))
+    }
+
+    /// [`Bucket::modify_from`], also returning the revision the record is stored at
+    /// afterwards, so the caller can write it again without a read.
+    pub async fn modify_at<T, F>(
+        &self,
+        key: &str,
         mut known: Option<(T, u64)>,
         mut f: F,
-    ) -> Result<Option<T>, KvError>
+    ) -> Result<Option<(T, u64)>, KvError>
     where
         T: Serialize + DeserializeOwned + Retained,
         F: FnMut(Option<&T>) -> Change<T>,
@@ -367,15 +382,15 @@ impl Bucket {
             };
             let change = f(current.as_ref().map(|(v, _)| v));
             let next = match change {
-                Change::Keep => return Ok(current.map(|(v, _)| v)),
+                Change::Keep => return Ok(current),
                 Change::Write(next) => next,
             };
             let written = match &current {
                 Some((_, rev)) => self.update(key, &next, *rev).await?,
                 None => self.create(key, &next).await?,
             };
-            if written.is_some() {
-                return Ok(Some(next));
+            if let Some(rev) = written {
+                return Ok(Some((next, rev)));
             }
             attempt += 1;
             // Lost to another writer: back off a little, randomly, so contenders spread out.

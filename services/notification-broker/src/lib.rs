@@ -23,6 +23,7 @@ mod auth;
 mod callout;
 mod ended;
 mod registry;
+mod running;
 mod runs_mirror;
 mod step_events;
 mod turns;
@@ -77,6 +78,8 @@ pub(crate) struct Ctx {
     pub topology: TopologyConfig,
     /// Ends this replica's report handler is recording itself (see `ended`).
     pub inline: ended::Inline,
+    /// Running steps' records as this replica last wrote them (see `running`).
+    pub running: running::Running,
     parent_locks: std::sync::Mutex<HashMap<ExecutionId, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -114,6 +117,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         buckets,
         topology: config.topology.clone(),
         inline: Default::default(),
+        running: Default::default(),
         parent_locks: Default::default(),
     });
     tracing::info!(replica = %config.replica, "notification-broker running");

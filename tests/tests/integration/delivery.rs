@@ -1111,3 +1111,159 @@ async fn finished_run_left(stack: &Stack) -> Result<()> {
     ensure!(marker.delivery == stale.delivery, "{marker:?}");
     Ok(())
 }
+
+/// A worker's end report is written from the record the broker replica last wrote (its
+/// `started` and heartbeats), without reading it first. The compare-and-set keeps that safe
+/// (R14): a child appended to the step since keeps its place when the end is written, and a
+/// cancellation recorded since still wins over the worker's later `completed`, which its
+/// owner is then told nothing of: one completion, `cancelled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_end_written_without_a_read_keeps_a_later_child_and_loses_to_an_earlier_cancel(
+) -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = unread_end(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn unread_end(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::execution::{Scope, StepResult};
+    use turnstile_shared::principal::Principal;
+    use turnstile_shared::step_api::{Caller, Cancelled, ExecRef, Report, StartStep, StepKind};
+    use turnstile_shared::subjects::api as subj;
+    let done = |summary: &str| Report::Completed {
+        result: StepResult {
+            exit_code: Some(0),
+            summary: summary.into(),
+            output: vec![],
+        },
+    };
+
+    // A child appended after the worker's heartbeat: the end's write must keep it.
+    let (s, parent) = idle_with_a_step(stack, "unread-child", "unread-child").await?;
+    let worker = ExternalWorker::take(stack, "unread-child").await?;
+    worker
+        .report(Report::Started {
+            worker: "w1".into(),
+        })
+        .await?;
+    worker.report(Report::Heartbeat).await?;
+    let child = stack
+        .start_step(&StartStep {
+            caller: Caller {
+                session: None,
+                step: Some(worker.item.step.clone()),
+                token: worker.item.token.clone(),
+            },
+            name: "child".into(),
+            scope: Scope::Run,
+            work: StepKind::External {
+                queue: "nobody".into(),
+                input: serde_json::Value::Null,
+            },
+            id: None,
+        })
+        .await?;
+    worker.report(done("parent done")).await?;
+    // The worker is answered once its end is stored; the record is written beside that.
+    let record = turnstile_tests::wait_until(
+        "the parent's end recorded",
+        Duration::from_secs(10),
+        || async {
+            let r = stack
+                .exec(&parent.id)
+                .await?
+                .context("the parent's record")?;
+            Ok(r.status.is_terminal().then_some(r))
+        },
+    )
+    .await?;
+    ensure!(
+        record.status.name() == "completed",
+        "the report ended it: {:?}",
+        record.status
+    );
+    ensure!(
+        record.children == vec![child.id.clone()],
+        "the child appended after the heartbeat is kept: {:?}",
+        record.children
+    );
+    let first = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
+    ensure!(
+        listed_steps(&first[0].text) == vec![parent.id.to_string()],
+        "{}",
+        first[0].text
+    );
+
+    // A cancellation recorded after the heartbeat: the worker's `completed` changes nothing.
+    let (s, step) = idle_with_a_step(stack, "unread-cancel", "unread-cancel").await?;
+    let worker = ExternalWorker::take(stack, "unread-cancel").await?;
+    worker
+        .report(Report::Started {
+            worker: "w1".into(),
+        })
+        .await?;
+    worker.report(Report::Heartbeat).await?;
+    let cancelled: Cancelled = turnstile_shared::api::call(
+        &stack.client,
+        &Principal::Operator.exec(subj::CANCEL),
+        &ExecRef {
+            id: step.id.clone(),
+        },
+        crate::stack::API,
+    )
+    .await?;
+    ensure!(
+        cancelled.cancelled.contains(&step.id),
+        "{:?}",
+        cancelled.cancelled
+    );
+    turnstile_tests::wait_until(
+        "the cancellation recorded",
+        Duration::from_secs(10),
+        || async {
+            let r = stack.exec(&step.id).await?.context("the step's record")?;
+            Ok((r.status.name() == "cancelled").then_some(()))
+        },
+    )
+    .await?;
+    let _ = worker.report(done("finished anyway")).await;
+    let deliveries = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
+    let record = stack.exec(&step.id).await?.context("the step's record")?;
+    ensure!(
+        record.status.name() == "cancelled",
+        "the first end wins: {:?}",
+        record.status
+    );
+    // Time for a wrongly routed `completed` to arm a second delivery: the ended queue drained.
+    turnstile_tests::wait_until(
+        "the ended queue drained",
+        Duration::from_secs(10),
+        || async {
+            let info = stack
+                .js
+                .get_stream(turnstile_shared::subjects::STEP_STREAM)
+                .await?
+                .consumer_info(turnstile_shared::subjects::BROKER_ENDED_CONSUMER)
+                .await?;
+            Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
+        },
+    )
+    .await?;
+    stack.wait_idle(&s).await?;
+    let deliveries = {
+        let later = stack.delivery_turns(&s).await?;
+        if later.len() > deliveries.len() {
+            later
+        } else {
+            deliveries
+        }
+    };
+    ensure!(deliveries.len() == 1, "one delivery: {deliveries:?}");
+    let text = &deliveries[0].text;
+    ensure!(
+        listed_steps(text) == vec![step.id.to_string()] && text.contains("[cancelled]"),
+        "its owner is told once, cancelled: {text}"
+    );
+    ensure!(!text.contains("finished anyway"), "{text}");
+    Ok(())
+}

@@ -259,9 +259,24 @@ pub(super) async fn report(
         step: Some(req.step.clone()),
         token: req.token.clone(),
     };
-    let read = registry::get_at(&ctx, &exec_id)
-        .await
-        .map_err(ApiError::from)?;
+    // An end's report writes from the record this replica last wrote, if it holds it (see
+    // `running`): no read before the write. A token it does not match is checked from a read.
+    let held = match req.report {
+        Report::Completed { .. } | Report::Failed { .. } => {
+            ctx.running.take(&exec_id).filter(|(r, _)| {
+                r.token
+                    .as_deref()
+                    .is_some_and(|t| same_secret(t, &req.token))
+            })
+        }
+        _ => None,
+    };
+    let read = match held {
+        Some(h) => Some(h),
+        None => registry::get_at(&ctx, &exec_id)
+            .await
+            .map_err(ApiError::from)?,
+    };
     let authentic = read
         .as_ref()
         .and_then(|(r, _)| r.token.as_deref())
@@ -408,10 +423,10 @@ async fn started(
         return end_now(ctx, ended).await;
     }
     let now = chrono::Utc::now();
-    let next = ctx
+    let (next, revision) = ctx
         .buckets
         .executions
-        .modify::<ExecutionRecord, _>(record.id.as_str(), |cur| match cur {
+        .modify_at::<ExecutionRecord, _>(record.id.as_str(), None, |cur| match cur {
             Some(r) if r.status == ExecStatus::Queued => Change::Write(ExecutionRecord {
                 status: ExecStatus::Running {
                     started_at: now,
@@ -425,6 +440,7 @@ async fn started(
         .await
         .map_err(ApiError::from)?
         .ok_or_else(|| ApiError::not_found(format!("no step {}", record.id)))?;
+    ctx.running.remember(&next, revision);
     match &next.status {
         ExecStatus::Running {
             worker: Some(w), ..
@@ -448,7 +464,7 @@ async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, Api
     let next = ctx
         .buckets
         .executions
-        .modify::<ExecutionRecord, _>(record.id.as_str(), |cur| match cur {
+        .modify_at::<ExecutionRecord, _>(record.id.as_str(), None, |cur| match cur {
             Some(r) => match &r.status {
                 ExecStatus::Running {
                     started_at, worker, ..
@@ -466,6 +482,10 @@ async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, Api
         })
         .await
         .map_err(ApiError::from)?;
+    if let Some((r, revision)) = &next {
+        ctx.running.remember(r, *revision);
+    }
+    let next = next.map(|(r, _)| r);
     // Progress for a run waiting on this step (R10): core NATS, nothing kept.
     let payload = serde_json::to_vec(&json!({ "execution": record.id })).unwrap_or_default();
     for s in std::iter::once(&record.session).chain(record.targets().iter()) {

@@ -114,6 +114,7 @@ enum EndError {
 }
 
 async fn record_end(ctx: &Arc<Ctx>, ended: &Ended) -> Result<(), EndError> {
+    ctx.running.forget(&ended.execution);
     // From the record the reporter read, when it sent it: one write, no read (a conflict
     // re-reads).
     let known = ended
