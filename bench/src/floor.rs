@@ -1,7 +1,10 @@
 //! The raw JetStream floor: publish and wait for the PubAck, receive on a durable pull
 //! consumer, and `double_ack` (an acknowledged ack): one durable hand-off, nothing of ours.
+//! Measured back to back (the floor every ratio is taken against) and, beside it, each round
+//! trip after an idle pause ([`IDLE`]), as each completion sample starts: on a virtual machine
+//! a round trip after a pause pays for waking the threads of both sides.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use async_nats::jetstream::{consumer, stream};
@@ -9,7 +12,20 @@ use futures::StreamExt;
 
 use crate::deployment::{Deployment, FLOOR_STREAM, FLOOR_SUBJECT};
 
+/// The pause before each round trip of [`measure_after_idle`]: a completion sample starts
+/// once the previous one has settled, a few milliseconds of quiet.
+pub const IDLE: Duration = Duration::from_millis(5);
+
 pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
+    measure_spaced(d, n, Duration::ZERO).await
+}
+
+/// The floor with [`IDLE`] before each round trip (not inside the time).
+pub async fn measure_after_idle(d: &Deployment, n: usize) -> Result<serde_json::Value> {
+    measure_spaced(d, n, IDLE).await
+}
+
+async fn measure_spaced(d: &Deployment, n: usize, pause: Duration) -> Result<serde_json::Value> {
     let client = Deployment::connect(&d.floor).await?;
     let js = async_nats::jetstream::new(client);
     let s = js
@@ -33,6 +49,9 @@ pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
     let mut messages = c.messages().await?;
     let mut samples = Vec::with_capacity(n);
     for i in 0..n + 100 {
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
         let t0 = Instant::now();
         js.publish(FLOOR_SUBJECT, "x".into()).await?.await?;
         let msg = messages.next().await.context("floor stream ended")??;

@@ -132,8 +132,12 @@ async fn main() -> Result<()> {
         ..Default::default()
     };
     turnstile_shared::topology::provision(&js, &topology).await?;
-    eprintln!("floor: 2000 round trips");
+    eprintln!(
+        "floor: 2000 round trips, then 300 each after {:?} idle",
+        floor::IDLE
+    );
     let floor = floor::measure(&d, 2000).await?;
+    let floor_after_idle = floor::measure_after_idle(&d, 300).await?;
     let lanes = lanes::measure(&d, single, sessions, each).await?;
     eprintln!("completions: {completions} steps");
     let completion = completions::measure(&d, completions).await?;
@@ -161,6 +165,16 @@ async fn main() -> Result<()> {
         "completion_to_running_over_floor": {
             "p50": ratio_of(&completion["to_running"], "p50_us"),
             "p99": ratio_of(&completion["to_running"], "p99_us"),
+        },
+        // Not the target's ratio: the same path over a floor whose round trips each start
+        // after a pause, as each completion sample does (see `floor.rs`).
+        "jetstream_floor_after_idle": floor_after_idle,
+        "completion_over_floor_after_idle": {
+            "p50": ((completion["p50_us"].as_f64().unwrap_or(f64::NAN)
+                / floor_after_idle["p50_us"].as_f64().unwrap_or(f64::NAN))
+                * 100.0)
+                .round()
+                / 100.0,
         },
     });
     println!("{}", serde_json::to_string_pretty(&out)?);

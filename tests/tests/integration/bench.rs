@@ -59,6 +59,14 @@ async fn the_lanes_benchmark_prints_each_figure_beside_its_floor() -> Result<()>
             "{ratio} {r} is not {p50} / {floor}"
         );
     }
+    let idle_floor = summary(&out, "jetstream_floor_after_idle", 300)?;
+    let r = out["completion_over_floor_after_idle"]["p50"]
+        .as_f64()
+        .context("completion_over_floor_after_idle")?;
+    ensure!(
+        (r - completion / idle_floor).abs() < 0.01 + r * 0.01,
+        "completion_over_floor_after_idle {r} is not {completion} / {idle_floor}"
+    );
     let stages = &out["completion_to_agent"]["stages_p50_us"];
     for stage in [
         "report_to_recorded_end",
