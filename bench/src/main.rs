@@ -141,11 +141,12 @@ async fn main() -> Result<()> {
     let lanes = lanes::measure(&d, single, sessions, each).await?;
     eprintln!("completions: {completions} steps");
     let completion = completions::measure(&d, completions).await?;
-    let ratio_of = |v: &serde_json::Value, p: &str| {
+    let over = |v: &serde_json::Value, base: &serde_json::Value, p: &str| {
         let a = v[p].as_f64().unwrap_or(f64::NAN);
-        let b = floor[p].as_f64().unwrap_or(f64::NAN);
+        let b = base[p].as_f64().unwrap_or(f64::NAN);
         ((a / b) * 100.0).round() / 100.0
     };
+    let ratio_of = |v: &serde_json::Value, p: &str| over(v, &floor, p);
     let ratio = |p: &str| ratio_of(&lanes.handoff, p);
     let out = serde_json::json!({
         "nats_server": version,
@@ -170,11 +171,7 @@ async fn main() -> Result<()> {
         // after a pause, as each completion sample does (see `floor.rs`).
         "jetstream_floor_after_idle": floor_after_idle,
         "completion_over_floor_after_idle": {
-            "p50": ((completion["p50_us"].as_f64().unwrap_or(f64::NAN)
-                / floor_after_idle["p50_us"].as_f64().unwrap_or(f64::NAN))
-                * 100.0)
-                .round()
-                / 100.0,
+            "p50": over(&completion, &floor_after_idle, "p50_us"),
         },
     });
     println!("{}", serde_json::to_string_pretty(&out)?);

@@ -1,13 +1,15 @@
 //! The records of running steps as this replica last wrote them (taken by a worker, then
-//! each heartbeat), with their revisions. A worker's end report then writes the end from
-//! here, without reading the record first: one round trip off the completion path.
+//! each heartbeat), with their revisions. A worker's heartbeat and its end report then write
+//! from here, without reading the record first: for the end, one round trip off the
+//! completion path. (`started` and a report that finds no entry write from the API's own
+//! read, never reading twice.)
 //!
 //! Nothing here can be stale in a way that matters: the revision is the record's identity,
 //! and the end's compare-and-set succeeds only if nothing wrote the record since. An entry
 //! another writer made stale (another replica's heartbeat, a cancellation, a child step
 //! appended) fails that write, and the record is read then: it costs the read it would have
-//! saved, and the first end still wins. A report whose entry's token does not match is
-//! checked from a read, as before.
+//! saved, and the first end still wins. The report's token is checked against the entry's
+//! record as against a read one (tokens never change).
 //!
 //! Bounded: an entry is dropped when its end is reported or recorded here; steps whose end
 //! this replica never sees (another replica recorded it, the worker died) are dropped all at
@@ -41,6 +43,11 @@ impl Running {
             m.clear();
         }
         m.insert(record.id.clone(), (record.clone(), revision));
+    }
+
+    /// The entry of `execution`, kept (a heartbeat writes it again).
+    pub(crate) fn get(&self, execution: &ExecutionId) -> Option<(ExecutionRecord, u64)> {
+        self.records.lock().ok()?.get(execution).cloned()
     }
 
     /// Takes the entry of `execution` (its end is being reported).
@@ -94,6 +101,11 @@ mod tests {
         let t = Running::default();
         let r = running();
         t.remember(&r, 7);
+        assert_eq!(
+            t.get(&r.id).map(|(_, rev)| rev),
+            Some(7),
+            "a heartbeat keeps it"
+        );
         assert_eq!(t.take(&r.id).map(|(_, rev)| rev), Some(7));
         assert!(t.take(&r.id).is_none(), "taken once");
 

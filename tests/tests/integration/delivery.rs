@@ -1138,7 +1138,8 @@ async fn unread_end(stack: &mut Stack) -> Result<()> {
         },
     };
 
-    // A child appended after the worker's heartbeat: the end's write must keep it.
+    // Children appended after the worker's heartbeats: the next heartbeat's write and the
+    // end's must keep them.
     let (s, parent) = idle_with_a_step(stack, "unread-child", "unread-child").await?;
     let worker = ExternalWorker::take(stack, "unread-child").await?;
     worker
@@ -1147,44 +1148,39 @@ async fn unread_end(stack: &mut Stack) -> Result<()> {
         })
         .await?;
     worker.report(Report::Heartbeat).await?;
-    let child = stack
-        .start_step(&StartStep {
-            caller: Caller {
-                session: None,
-                step: Some(worker.item.step.clone()),
-                token: worker.item.token.clone(),
-            },
-            name: "child".into(),
-            scope: Scope::Run,
-            work: StepKind::External {
-                queue: "nobody".into(),
-                input: serde_json::Value::Null,
-            },
-            id: None,
-        })
-        .await?;
+    let child_of = |name: &str| StartStep {
+        caller: Caller {
+            session: None,
+            step: Some(worker.item.step.clone()),
+            token: worker.item.token.clone(),
+        },
+        name: name.into(),
+        scope: Scope::Run,
+        work: StepKind::External {
+            queue: "nobody".into(),
+            input: serde_json::Value::Null,
+        },
+        id: None,
+    };
+    let child = stack.start_step(&child_of("child")).await?;
+    let beat = worker.report(Report::Heartbeat).await?;
+    ensure!(!beat.stop, "a heartbeat on a running step: {beat:?}");
+    let second = stack.start_step(&child_of("second-child")).await?;
     worker.report(done("parent done")).await?;
     // The worker is answered once its end is stored; the record is written beside that.
-    let record = turnstile_tests::wait_until(
-        "the parent's end recorded",
-        Duration::from_secs(10),
-        || async {
-            let r = stack
-                .exec(&parent.id)
-                .await?
-                .context("the parent's record")?;
-            Ok(r.status.is_terminal().then_some(r))
-        },
-    )
-    .await?;
+    let record = stack
+        .wait_exec(&parent.id, Duration::from_secs(10), |r| {
+            r.status.is_terminal()
+        })
+        .await?;
     ensure!(
         record.status.name() == "completed",
         "the report ended it: {:?}",
         record.status
     );
     ensure!(
-        record.children == vec![child.id.clone()],
-        "the child appended after the heartbeat is kept: {:?}",
+        record.children == vec![child.id.clone(), second.id.clone()],
+        "the children appended after the heartbeats are kept: {:?}",
         record.children
     );
     let first = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
@@ -1217,17 +1213,18 @@ async fn unread_end(stack: &mut Stack) -> Result<()> {
         "{:?}",
         cancelled.cancelled
     );
-    turnstile_tests::wait_until(
-        "the cancellation recorded",
-        Duration::from_secs(10),
-        || async {
-            let r = stack.exec(&step.id).await?.context("the step's record")?;
-            Ok((r.status.name() == "cancelled").then_some(()))
-        },
-    )
-    .await?;
+    stack
+        .wait_exec(&step.id, Duration::from_secs(10), |r| {
+            r.status.name() == "cancelled"
+        })
+        .await?;
+    let beat = worker.report(Report::Heartbeat).await?;
+    ensure!(
+        beat.stop,
+        "the heartbeat tells the worker to stop: {beat:?}"
+    );
     let _ = worker.report(done("finished anyway")).await;
-    let deliveries = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
+    crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
     let record = stack.exec(&step.id).await?.context("the step's record")?;
     ensure!(
         record.status.name() == "cancelled",
@@ -1235,29 +1232,9 @@ async fn unread_end(stack: &mut Stack) -> Result<()> {
         record.status
     );
     // Time for a wrongly routed `completed` to arm a second delivery: the ended queue drained.
-    turnstile_tests::wait_until(
-        "the ended queue drained",
-        Duration::from_secs(10),
-        || async {
-            let info = stack
-                .js
-                .get_stream(turnstile_shared::subjects::STEP_STREAM)
-                .await?
-                .consumer_info(turnstile_shared::subjects::BROKER_ENDED_CONSUMER)
-                .await?;
-            Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
-        },
-    )
-    .await?;
+    stack.wait_ended_drained().await?;
     stack.wait_idle(&s).await?;
-    let deliveries = {
-        let later = stack.delivery_turns(&s).await?;
-        if later.len() > deliveries.len() {
-            later
-        } else {
-            deliveries
-        }
-    };
+    let deliveries = stack.delivery_turns(&s).await?;
     ensure!(deliveries.len() == 1, "one delivery: {deliveries:?}");
     let text = &deliveries[0].text;
     ensure!(

@@ -206,20 +206,7 @@ async fn two_brokers(stack: &mut Stack) -> Result<()> {
         crate::stack::wait_deliveries(stack, &s, i + 1, Duration::from_secs(20)).await?;
     }
     // Every end's message is gone from the ended queue, one way or the other.
-    let steps = stack
-        .js
-        .get_stream(turnstile_shared::subjects::STEP_STREAM)
-        .await?;
-    turnstile_tests::wait_until("the ended queue drained", Duration::from_secs(20), || {
-        let steps = steps.clone();
-        async move {
-            let info = steps
-                .consumer_info(turnstile_shared::subjects::BROKER_ENDED_CONSUMER)
-                .await?;
-            Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
-        }
-    })
-    .await?;
+    stack.wait_ended_drained().await?;
     let mut ended = 0.0;
     let mut routed = 0.0;
     for broker in ["broker-b1", "broker-b2"] {

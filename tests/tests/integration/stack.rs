@@ -716,6 +716,19 @@ impl Stack {
         Ok(pid)
     }
 
+    /// Waits until every end on the ended queue is taken and acked, one way or the other.
+    pub async fn wait_ended_drained(&self) -> Result<()> {
+        let steps = self.js.get_stream(subjects::STEP_STREAM).await?;
+        turnstile_tests::wait_until("the ended queue drained", Duration::from_secs(20), || {
+            let steps = steps.clone();
+            async move {
+                let info = steps.consumer_info(subjects::BROKER_ENDED_CONSUMER).await?;
+                Ok((info.num_pending == 0 && info.num_ack_pending == 0).then_some(()))
+            }
+        })
+        .await
+    }
+
     /// Waits until the host's transport has handled (acked) every command it was sent.
     pub async fn wait_commands_handled(&self, host: &HostName) -> Result<()> {
         let transport = self.js.get_stream(subjects::TRANSPORT_STREAM).await?;

@@ -259,17 +259,12 @@ pub(super) async fn report(
         step: Some(req.step.clone()),
         token: req.token.clone(),
     };
-    // An end's report writes from the record this replica last wrote, if it holds it (see
-    // `running`): no read before the write. A token it does not match is checked from a read.
+    // A heartbeat or an end writes from the record this replica last wrote, if it holds it
+    // (see `running`): no read before the write, which fails if the record moved since.
     let held = match req.report {
-        Report::Completed { .. } | Report::Failed { .. } => {
-            ctx.running.take(&exec_id).filter(|(r, _)| {
-                r.token
-                    .as_deref()
-                    .is_some_and(|t| same_secret(t, &req.token))
-            })
-        }
-        _ => None,
+        Report::Started { .. } => None,
+        Report::Heartbeat => ctx.running.get(&exec_id),
+        Report::Completed { .. } | Report::Failed { .. } => ctx.running.take(&exec_id),
     };
     let read = match held {
         Some(h) => Some(h),
@@ -298,8 +293,8 @@ pub(super) async fn report(
         return Ok(ack(&record.status));
     }
     match req.report {
-        Report::Started { worker } => started(&ctx, record, worker).await,
-        Report::Heartbeat => heartbeat(&ctx, &record).await,
+        Report::Started { worker } => started(&ctx, record, revision, worker).await,
+        Report::Heartbeat => heartbeat(&ctx, record, revision).await,
         Report::Completed { result } => {
             let ended = Ended {
                 execution: record.id.clone(),
@@ -397,6 +392,7 @@ fn ack(status: &ExecStatus) -> ReportAck {
 async fn started(
     ctx: &Arc<Ctx>,
     record: ExecutionRecord,
+    revision: u64,
     worker: String,
 ) -> Result<ReportAck, ApiError> {
     if let ExecStatus::Running {
@@ -423,10 +419,11 @@ async fn started(
         return end_now(ctx, ended).await;
     }
     let now = chrono::Utc::now();
+    let id = record.id.clone();
     let (next, revision) = ctx
         .buckets
         .executions
-        .modify_at::<ExecutionRecord, _>(record.id.as_str(), None, |cur| match cur {
+        .modify_at::<ExecutionRecord, _>(id.as_str(), Some((record, revision)), |cur| match cur {
             Some(r) if r.status == ExecStatus::Queued => Change::Write(ExecutionRecord {
                 status: ExecStatus::Running {
                     started_at: now,
@@ -439,7 +436,7 @@ async fn started(
         })
         .await
         .map_err(ApiError::from)?
-        .ok_or_else(|| ApiError::not_found(format!("no step {}", record.id)))?;
+        .ok_or_else(|| ApiError::not_found(format!("no step {id}")))?;
     ctx.running.remember(&next, revision);
     match &next.status {
         ExecStatus::Running {
@@ -459,12 +456,18 @@ async fn started(
     }
 }
 
-async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, ApiError> {
+async fn heartbeat(
+    ctx: &Ctx,
+    record: ExecutionRecord,
+    revision: u64,
+) -> Result<ReportAck, ApiError> {
     let now = chrono::Utc::now();
+    let id = record.id.clone();
+    let (session, targets) = (record.session.clone(), record.targets());
     let next = ctx
         .buckets
         .executions
-        .modify_at::<ExecutionRecord, _>(record.id.as_str(), None, |cur| match cur {
+        .modify_at::<ExecutionRecord, _>(id.as_str(), Some((record, revision)), |cur| match cur {
             Some(r) => match &r.status {
                 ExecStatus::Running {
                     started_at, worker, ..
@@ -487,8 +490,8 @@ async fn heartbeat(ctx: &Ctx, record: &ExecutionRecord) -> Result<ReportAck, Api
     }
     let next = next.map(|(r, _)| r);
     // Progress for a run waiting on this step (R10): core NATS, nothing kept.
-    let payload = serde_json::to_vec(&json!({ "execution": record.id })).unwrap_or_default();
-    for s in std::iter::once(&record.session).chain(record.targets().iter()) {
+    let payload = serde_json::to_vec(&json!({ "execution": id })).unwrap_or_default();
+    for s in std::iter::once(&session).chain(targets.iter()) {
         let _ = ctx
             .client
             .publish(subjects::progress(s), payload.clone().into())
