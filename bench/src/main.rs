@@ -43,6 +43,13 @@ fn summary(mut samples: Vec<f64>) -> serde_json::Value {
     })
 }
 
+/// `v[p]` over `base[p]` (two summaries' same percentile), to two decimals.
+fn over(v: &serde_json::Value, base: &serde_json::Value, p: &str) -> f64 {
+    let a = v[p].as_f64().unwrap_or(f64::NAN);
+    let b = base[p].as_f64().unwrap_or(f64::NAN);
+    ((a / b) * 100.0).round() / 100.0
+}
+
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
@@ -141,11 +148,6 @@ async fn main() -> Result<()> {
     let lanes = lanes::measure(&d, single, sessions, each).await?;
     eprintln!("completions: {completions} steps");
     let completion = completions::measure(&d, completions).await?;
-    let over = |v: &serde_json::Value, base: &serde_json::Value, p: &str| {
-        let a = v[p].as_f64().unwrap_or(f64::NAN);
-        let b = base[p].as_f64().unwrap_or(f64::NAN);
-        ((a / b) * 100.0).round() / 100.0
-    };
     let ratio_of = |v: &serde_json::Value, p: &str| over(v, &floor, p);
     let ratio = |p: &str| ratio_of(&lanes.handoff, p);
     let out = serde_json::json!({

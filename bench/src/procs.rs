@@ -75,6 +75,35 @@ pub fn rss_all(procs: &[(&'static str, Option<u32>)]) -> Result<Vec<(&'static st
         .collect()
 }
 
+/// CPU time each process has run so far, in nanoseconds.
+pub fn cpu_ns_all(procs: &[(&'static str, Option<u32>)]) -> Result<Vec<(&'static str, u64)>> {
+    procs
+        .iter()
+        .map(|(name, pid)| {
+            let pid = pid.with_context(|| format!("{name} is not running"))?;
+            Ok((*name, cpu_ns(pid)?))
+        })
+        .collect()
+}
+
+/// The sum over a process's live threads of their time on a CPU (`schedstat`'s first field).
+fn cpu_ns(pid: u32) -> Result<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let path = task?.path().join("schedstat");
+        // A thread may end between the listing and the read.
+        let Ok(stat) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        total += stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .with_context(|| format!("unreadable {}", path.display()))?;
+    }
+    Ok(total)
+}
+
 fn rss_kb(pid: u32) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status

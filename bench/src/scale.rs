@@ -6,8 +6,14 @@
 //! - the creation rate through the session API (`CREATE_CONCURRENCY` requests in flight);
 //! - resident memory per idle session of each service and of nats-server: the growth from
 //!   one session to all of them, once every lane is pulled, divided by the sessions added;
-//! - lane hand-off for `BUSY` busy sessions among the idle ones (turns queued on each, the
-//!   gap between one turn's end and the next one's typing, both stamped by the transport);
+//! - the CPU each process spends holding the idle sessions, over `IDLE_WINDOW` with nothing
+//!   to do (pull renewals, timers), in `IDLE_WINDOWS` windows one after another;
+//! - lane hand-off (the gap between one turn's end and the next one's typing, both stamped by
+//!   the transport) for `BUSY` busy sessions at once, with their turns per second, and for one
+//!   busy session alone: each measured on the same sessions before the idle ones exist and
+//!   among them, so what the idle sessions cost the busy ones is read side by side. With
+//!   `BUSY` lanes turning at once on two cores a hand-off waits its turn behind the others'
+//!   work: that figure is throughput; the one session alone is the hand-off's latency;
 //! - fail-over: a second replica waits on every lane, the first is SIGKILLed, one turn is
 //!   queued on every session, and the time from the kill until each is typed.
 
@@ -17,15 +23,21 @@ use std::time::{Duration, Instant};
 use crate::deployment::Deployment;
 use crate::inproc::{create_sessions, CREATE_CONCURRENCY};
 use crate::lanes::{queue, records, wait_all};
-use crate::procs::{rss_all, spawn, Services};
+use crate::procs::{cpu_ns_all, rss_all, spawn, Services};
 use anyhow::{bail, Result};
 use chrono::Utc;
 use turnstile_shared::records::TurnState;
 use turnstile_shared::SessionId;
 
-/// Busy sessions among the idle ones, and turns queued on each.
+/// How long the idle sessions' CPU use is watched, in how many windows.
+const IDLE_WINDOW: Duration = Duration::from_secs(10);
+const IDLE_WINDOWS: usize = 3;
+
+/// Busy sessions among the idle ones, and turns queued on each; turns queued on the one busy
+/// session alone.
 const BUSY: usize = 100;
 const BUSY_TURNS: usize = 20;
+const ALONE_TURNS: usize = 200;
 
 pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Value> {
     let client = Deployment::connect(&d.operator).await?;
@@ -39,10 +51,24 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
     let procs = services.pids(d);
     let before = rss_all(&procs)?;
 
-    eprintln!("scale: creating {sessions} sessions");
+    // The busy sessions, measured before any idle one exists. They count among the sessions
+    // created, and their turns' memory among the idle sessions' (it can only raise that).
+    let busy_n = BUSY.min(sessions);
+    eprintln!("scale: {busy_n} busy sessions, no idle ones yet");
     let started = Instant::now();
-    let ids = create_sessions(&client, sessions).await?;
-    let create_s = started.elapsed().as_secs_f64();
+    let busy = create_sessions(&client, busy_n).await?;
+    let mut create_s = started.elapsed().as_secs_f64();
+    let pulled: Vec<&SessionId> = busy.iter().collect();
+    turnstile_tests::wait_lanes_pulled(&js, &pulled, 1, Duration::from_secs(60)).await?;
+    let without_idle = busy_handoffs(&js, &busy, &floor).await?;
+    eprintln!("scale: without idle sessions {without_idle}");
+
+    let idle_n = sessions - busy_n;
+    eprintln!("scale: creating {idle_n} more sessions");
+    let started = Instant::now();
+    let mut ids = create_sessions(&client, idle_n).await?;
+    create_s += started.elapsed().as_secs_f64();
+    ids.extend(busy.iter().cloned());
     eprintln!("scale: created in {create_s:.1} s; waiting for every lane to be pulled");
     let all: Vec<&SessionId> = ids.iter().collect();
     let settle = Instant::now();
@@ -66,23 +92,34 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
         );
     }
 
+    // What holding the idle sessions costs while nothing happens (pull renewals, timers), in
+    // windows one after another: the first may still hold the creation's after-work.
+    let mut idle_cpu = Vec::new();
+    for _ in 0..IDLE_WINDOWS {
+        let cpu0 = cpu_ns_all(&procs)?;
+        tokio::time::sleep(IDLE_WINDOW).await;
+        let cpu1 = cpu_ns_all(&procs)?;
+        let mut window = serde_json::Map::new();
+        for ((name, a), (_, b)) in cpu0.iter().zip(&cpu1) {
+            let pct = b.saturating_sub(*a) as f64 / IDLE_WINDOW.as_nanos() as f64 * 100.0;
+            window.insert(name.to_string(), ((pct * 10.0).round() / 10.0).into());
+        }
+        eprintln!(
+            "scale: idle CPU, % of one core: {}",
+            serde_json::Value::Object(window.clone())
+        );
+        idle_cpu.push(serde_json::Value::Object(window));
+    }
+
     // Printed as they come: a later stage that fails leaves these on record.
     eprintln!(
         "scale: {} sessions/s; per idle session, services {services_kb:.1} KB: {}",
         (sessions as f64 / create_s).round(),
         serde_json::Value::Object(memory.clone())
     );
-    eprintln!("scale: {BUSY_TURNS} turns on each of {BUSY} sessions among the idle");
-    let busy: Vec<SessionId> = ids
-        .iter()
-        .step_by((sessions / BUSY).max(1))
-        .take(BUSY)
-        .cloned()
-        .collect();
-    let turns = queue(&js, &busy, BUSY_TURNS).await?;
-    wait_all(&js, &turns).await?;
-    let handoff = crate::summary(handoffs_per_session(&records(&js, &turns).await?));
-    eprintln!("scale: hand-off {handoff}, floor {floor}");
+    eprintln!("scale: the same busy sessions among {idle_n} idle ones");
+    let among_idle = busy_handoffs(&js, &busy, &floor).await?;
+    eprintln!("scale: among the idle {among_idle}, floor {floor}");
 
     eprintln!("scale: fail-over of {} sessions", ids.len());
     let lane_b = spawn(
@@ -107,11 +144,6 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
     }
     served.sort_by(f64::total_cmp);
     drop((lane_b, services));
-    let ratio = |p: &str| {
-        let a = handoff[p].as_f64().unwrap_or(f64::NAN);
-        let b = floor[p].as_f64().unwrap_or(f64::NAN);
-        ((a / b) * 100.0).round() / 100.0
-    };
     Ok(serde_json::json!({
         "sessions": sessions,
         "create": {
@@ -121,15 +153,52 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
             "all_lanes_pulled_after_s": (settle_s * 100.0).round() / 100.0,
         },
         "memory": memory,
+        "idle_cpu_percent_of_a_core": idle_cpu,
         "services_per_idle_session_kb": (services_kb * 10.0).round() / 10.0,
         "jetstream_floor": floor,
-        "busy_sessions": BUSY,
-        "lane_handoff": handoff,
-        "handoff_over_floor": { "p50": ratio("p50_us"), "p99": ratio("p99_us") },
+        "busy_sessions": busy_n,
+        "idle_sessions": idle_n,
+        "handoff_among_idle": among_idle,
+        "handoff_without_idle": without_idle,
         "failover_all_served_after_kill_ms": {
             "p50": crate::percentile(&served, 50.0),
             "p99": crate::percentile(&served, 99.0),
             "max": served.last().copied().unwrap_or(f64::NAN),
+        },
+    }))
+}
+
+/// Hand-off of the busy sessions, `BUSY_TURNS` queued on each at once (with their turns per
+/// second), then of the first of them alone, `ALONE_TURNS` queued on it; each over the floor.
+async fn busy_handoffs(
+    js: &async_nats::jetstream::Context,
+    busy: &[SessionId],
+    floor: &serde_json::Value,
+) -> Result<serde_json::Value> {
+    let started = Instant::now();
+    let turns = queue(js, busy, BUSY_TURNS).await?;
+    wait_all(js, &turns).await?;
+    let per_sec = turns.len() as f64 / started.elapsed().as_secs_f64();
+    let all = crate::summary(handoffs_per_session(&records(js, &turns).await?));
+    let turns = queue(js, &busy[..1], ALONE_TURNS).await?;
+    wait_all(js, &turns).await?;
+    let alone = crate::summary(handoffs_per_session(&records(js, &turns).await?));
+    let over = |v: &serde_json::Value| {
+        serde_json::json!({
+            "p50": crate::over(v, floor, "p50_us"),
+            "p99": crate::over(v, floor, "p99_us"),
+        })
+    };
+    Ok(serde_json::json!({
+        "all_busy": {
+            "sessions": busy.len(),
+            "turns_per_sec": per_sec.round(),
+            "handoff": all,
+            "over_floor": over(&all),
+        },
+        "one_alone": {
+            "handoff": alone,
+            "over_floor": over(&alone),
         },
     }))
 }
