@@ -83,7 +83,14 @@ pub fn lane(session: &SessionId) -> String {
 }
 
 pub fn lane_consumer(session: &SessionId) -> String {
-    format!("lane_{session}")
+    format!("{LANE_CONSUMER_PREFIX}{session}")
+}
+
+const LANE_CONSUMER_PREFIX: &str = "lane_";
+
+/// The session whose lane consumer this is (the inverse of [`lane_consumer`]).
+pub fn lane_consumer_session(name: &str) -> Option<SessionId> {
+    name.strip_prefix(LANE_CONSUMER_PREFIX)?.parse().ok()
 }
 
 /// The session a lane subject belongs to (`ts.lane.<session>` gives `<session>`).
@@ -144,6 +151,11 @@ pub fn replica_pin_key(replica: &str, session: &SessionId) -> String {
 /// Every pin key of one replica (a KV key filter).
 pub fn replica_pins(replica: &str) -> String {
     format!("pin.{}.*", replica_token(replica))
+}
+
+/// Every replica's pin key for one session's lane (a KV key filter).
+pub fn replica_pins_of(session: &SessionId) -> String {
+    format!("pin.*.{session}")
 }
 
 /// Every liveness key (a KV key filter).

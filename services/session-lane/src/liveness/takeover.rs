@@ -9,9 +9,20 @@
 //! (read for every lane at once, by listing the lane stream's consumers).
 //! The survivor's own waiting pull then gets the item, and the item kind's resume logic (R14)
 //! carries on from what the dead replica recorded.
+//!
+//! Some lanes the records cannot name: an idle lane (never pinned, so nothing recorded) whose
+//! first item came as the replica died was seen pinned to a pin nobody holds, with nothing
+//! delivered: the server pinned a request of the dead connection and then found nobody to
+//! deliver to. Such a lane waits, item pending and a survivor's pull waiting, until the pin
+//! TTL lets it go (about 30 s at 10,000 lanes, in `turnstile-bench scale`). So the claim also
+//! sweeps every lane for that state ([`stranded`]), once at once and once more when every
+//! request the dead replica left has expired, and unpins what it finds. An unpin with
+//! nothing in flight cannot break R1: at worst a live holder between two pulls loses its pin
+//! and pulls again without it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_nats::jetstream::consumer::Info;
 use futures::StreamExt;
@@ -123,6 +134,77 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
     purge(&ctx, &subjects::replica_pins(&instance)).await;
     purge(&ctx, &key).await;
     tracing::info!(%instance, lanes = moved, elapsed_ms = started.elapsed().as_millis() as u64, "took over a dead replica's lanes");
+    // A request of the dead replica's can be chosen, and pin its lane, until it expires.
+    let last = ctx.topology.lane_pull_expiry() + SWEEP_MARGIN;
+    for wait in [SWEEP_MARGIN, last] {
+        tokio::time::sleep(wait).await;
+        sweep(&ctx, &stream, &instance).await;
+    }
+}
+
+/// How long a pin must have been held, with an item waiting and nothing delivered, before a
+/// sweep takes it for stranded; and the wait before the first sweep.
+const SWEEP_MARGIN: Duration = Duration::from_secs(1);
+
+/// Unpins every lane in the [`stranded`] state whose pin no replica recorded.
+async fn sweep(ctx: &Ctx, stream: &async_nats::jetstream::stream::Stream<()>, instance: &str) {
+    let infos = match lane_infos(stream).await {
+        Ok(i) => i,
+        Err(e) => {
+            tracing::warn!(%instance, error = %e, "sweep for stranded lanes: list the lane consumers");
+            return;
+        }
+    };
+    let now = chrono::Utc::now().timestamp_nanos_opt().map(i128::from);
+    let mut freed = 0;
+    for info in infos.values() {
+        let Some(pin) = stranded(info, now) else {
+            continue;
+        };
+        let Some(session) = subjects::lane_consumer_session(&info.name) else {
+            continue;
+        };
+        match ctx
+            .buckets
+            .replicas
+            .entries_matching::<String>(&subjects::replica_pins_of(&session))
+            .await
+        {
+            Ok(held) if held.iter().any(|(_, p)| *p == pin) => continue,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(%session, error = %e, "sweep for stranded lanes: pin records");
+                continue;
+            }
+        }
+        match stream
+            .unpin_consumer(&info.name, subjects::LANE_GROUP)
+            .await
+        {
+            Ok(_) => freed += 1,
+            Err(e) => tracing::warn!(%session, error = %e, "sweep for stranded lanes: unpin"),
+        }
+    }
+    if freed > 0 {
+        tracing::info!(%instance, lanes = freed, "unpinned lanes stranded on a pin nobody holds");
+    }
+}
+
+/// The pin of a lane that waits on it for nothing: pinned for at least [`SWEEP_MARGIN`], an
+/// item pending, nothing in flight, and a pull waiting to take it.
+fn stranded(info: &Info, now_nanos: Option<i128>) -> Option<String> {
+    if info.num_ack_pending > 0 || info.num_pending == 0 || info.num_waiting == 0 {
+        return None;
+    }
+    let group = info
+        .priority_groups
+        .iter()
+        .find(|g| g.group == subjects::LANE_GROUP)?;
+    let held_nanos = now_nanos? - group.pinned_ts?.unix_timestamp_nanos();
+    if held_nanos < SWEEP_MARGIN.as_nanos() as i128 {
+        return None;
+    }
+    group.pinned_client_id.clone()
 }
 
 /// One lane of a dead instance: if still pinned to it, unpin and give back its item in
@@ -186,5 +268,70 @@ async fn give_back_in_flight(ctx: &Ctx, consumer: &str, info: &Info) {
     );
     if let Err(e) = ctx.client.publish(ack, "-NAK".into()).await {
         tracing::warn!(consumer, error = %e, "take over lane: give back its item");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lane consumer's info as the server reports it, with `pinned_ts` `held` ago.
+    fn lane(
+        ack_pending: u64,
+        pending: u64,
+        waiting: usize,
+        pinned: Option<Duration>,
+    ) -> (Info, i128) {
+        let now = chrono::Utc::now();
+        let group = match pinned {
+            Some(held) => serde_json::json!({
+                "group": subjects::LANE_GROUP,
+                "pinned_client_id": "PIN",
+                "pinned_ts": (now - chrono::Duration::from_std(held).expect("short")).to_rfc3339(),
+            }),
+            None => serde_json::json!({ "group": subjects::LANE_GROUP }),
+        };
+        let info = serde_json::json!({
+            "type": "io.nats.jetstream.api.v1.consumer_info_response",
+            "stream_name": subjects::LANE_STREAM,
+            "name": "lane_x",
+            "created": now.to_rfc3339(),
+            "config": {"durable_name": "lane_x", "ack_policy": "explicit", "deliver_policy": "all", "replay_policy": "instant"},
+            "delivered": {"consumer_seq": 0, "stream_seq": 0},
+            "ack_floor": {"consumer_seq": 0, "stream_seq": 0},
+            "num_ack_pending": ack_pending,
+            "num_redelivered": 0,
+            "num_waiting": waiting,
+            "num_pending": pending,
+            "priority_groups": [group],
+        });
+        let info = serde_json::from_value(info).unwrap_or_else(|e| panic!("a consumer info: {e}"));
+        (
+            info,
+            now.timestamp_nanos_opt().map(i128::from).expect("in range"),
+        )
+    }
+
+    #[test]
+    fn a_lane_pinned_with_an_item_waiting_and_nothing_delivered_is_stranded() {
+        let (info, now) = lane(0, 1, 1, Some(Duration::from_secs(3)));
+        assert_eq!(stranded(&info, Some(now)).as_deref(), Some("PIN"));
+    }
+
+    #[test]
+    fn a_lane_with_an_item_in_flight_or_nothing_to_take_or_a_fresh_pin_is_left_alone() {
+        let held = Some(Duration::from_secs(3));
+        for (case, (info, now)) in [
+            ("in flight (R1)", lane(1, 1, 1, held)),
+            ("nothing pending", lane(0, 0, 1, held)),
+            ("nobody waiting", lane(0, 1, 0, held)),
+            (
+                "pinned just now",
+                lane(0, 1, 1, Some(Duration::from_millis(100))),
+            ),
+            ("not pinned", lane(0, 1, 1, None)),
+        ] {
+            assert_eq!(stranded(&info, Some(now)), None, "{case}");
+        }
     }
 }
