@@ -66,22 +66,24 @@ impl Services {
 
 /// Resident memory (kB, from `/proc/<pid>/status`) of each process.
 pub fn rss_all(procs: &[(&'static str, Option<u32>)]) -> Result<Vec<(&'static str, u64)>> {
-    procs
-        .iter()
-        .map(|(name, pid)| {
-            let pid = pid.with_context(|| format!("{name} is not running"))?;
-            Ok((*name, rss_kb(pid)?))
-        })
-        .collect()
+    each(procs, rss_kb)
 }
 
 /// CPU time each process has run so far, in nanoseconds.
 pub fn cpu_ns_all(procs: &[(&'static str, Option<u32>)]) -> Result<Vec<(&'static str, u64)>> {
+    each(procs, cpu_ns)
+}
+
+/// `read` of each running process, by name.
+fn each(
+    procs: &[(&'static str, Option<u32>)],
+    read: fn(u32) -> Result<u64>,
+) -> Result<Vec<(&'static str, u64)>> {
     procs
         .iter()
         .map(|(name, pid)| {
             let pid = pid.with_context(|| format!("{name} is not running"))?;
-            Ok((*name, cpu_ns(pid)?))
+            Ok((*name, read(pid)?))
         })
         .collect()
 }
