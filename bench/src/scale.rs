@@ -53,6 +53,9 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
 
     // The busy sessions, measured before any idle one exists. They count among the sessions
     // created, and their turns' memory among the idle sessions' (it can only raise that).
+    if sessions == 0 {
+        bail!("scale needs at least one session");
+    }
     let busy_n = BUSY.min(sessions);
     eprintln!("scale: {busy_n} busy sessions, no idle ones yet");
     let started = Instant::now();

@@ -224,6 +224,118 @@ async fn a_killed_replicas_lanes_move_within_seconds_despite_long_timeouts() -> 
     report(&stack, r)
 }
 
+/// A lane pinned to a pin no replica holds, with nothing in flight and an item waiting: the
+/// state `turnstile-bench scale` found on idle lanes whose first item came as their replica
+/// was SIGKILLed (the server pinned a request of the dead connection). No pin record names
+/// such a lane, so the take-over's sweep must find it; without the sweep the turn waits out
+/// the 60 s pin TTL. Made by hand here: a client no replica knows takes the lane's pin with
+/// one message, acks it and goes, while the lane's replica is dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_stranded_on_a_pin_nobody_holds_is_freed_by_the_take_over() -> Result<()> {
+    let slow = [
+        ("TURNSTILE_LANE_PIN_TTL", "60s"),
+        ("TURNSTILE_LANE_ACK_WAIT", "60s"),
+    ];
+    let mut stack = Stack::start_with(&["a"], &["h1"], &slow).await?;
+    let r = async {
+        let s = stack.create_session("stranded", None).await?;
+        turnstile_tests::wait_lanes_pulled(&stack.js, &[&s], 1, Duration::from_secs(20)).await?;
+        stack
+            .lanes
+            .get_mut("a")
+            .context("replica a")?
+            .kill()
+            .await?;
+        strand(&stack, &s).await?;
+        let pinned = lane_pin(&stack, &s).await?;
+        ensure!(pinned.is_some(), "the lane is pinned to the stranger");
+
+        stack.spawn_lane("b")?;
+        stack.wait_serving(true).await?;
+        let started = std::time::Instant::now();
+        let t = stack.send(&s, "after the stranger\n!reply freed").await?;
+        stack.wait_turn(&t, Duration::from_secs(40)).await?;
+        ensure!(server_of(&stack, &s).await? == "b", "b serves the lane");
+        ensure!(
+            lane_pin(&stack, &s).await? != pinned,
+            "the stranger's pin was let go"
+        );
+        ensure!(
+            stack
+                .logs()
+                .contains("unpinned lanes stranded on a pin nobody holds"),
+            "the sweep freed it (after {:?})",
+            started.elapsed()
+        );
+        Ok(())
+    }
+    .await;
+    report(&stack, r)
+}
+
+/// Pins `s`'s lane to a client no replica knows: it pulls in the lane's group, takes one
+/// message (not a lane item: it is acked, and readers skip what is at or below the ack
+/// floor), and closes its connection. The pin stays until the pin TTL.
+async fn strand(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<()> {
+    use futures::StreamExt;
+    use turnstile_shared::subjects;
+    // On the lanes' own identity: only it may pull lane consumers.
+    let (stranger, _) = stack.connect_as("session-lane").await?;
+    // The pull request as a lane sends it (async-nats's pull streams refuse pinned
+    // consumers): one message, in the lane's group.
+    let inbox = stranger.new_inbox();
+    let mut replies = stranger.subscribe(inbox.clone()).await?;
+    let request = serde_json::json!({
+        "batch": 1,
+        "expires": 10_000_000_000u64,
+        "group": subjects::LANE_GROUP,
+    });
+    stranger
+        .publish_with_reply(subjects::lane_pull(s), inbox, request.to_string().into())
+        .await?;
+    stranger.flush().await?;
+    stack
+        .js
+        .publish(subjects::lane(s), "not a lane item".into())
+        .await?
+        .await?;
+    let msg = tokio::time::timeout(Duration::from_secs(10), replies.next())
+        .await
+        .context("the stranger's message")?
+        .context("inbox closed")?;
+    ensure!(
+        msg.headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Pin-Id"))
+            .is_some(),
+        "the stranger was pinned: {:?}",
+        msg.headers
+    );
+    let ack = msg.reply.context("an ack subject")?;
+    stranger.request(ack, "+ACK".into()).await?;
+    drop(replies);
+    stranger.drain().await?;
+    Ok(())
+}
+
+/// The pin id `s`'s lane is held by, if any.
+async fn lane_pin(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<Option<String>> {
+    use turnstile_shared::subjects;
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = stack
+        .js
+        .get_stream(subjects::LANE_STREAM)
+        .await?
+        .get_consumer(&subjects::lane_consumer(s))
+        .await
+        .map_err(|e| anyhow::anyhow!("lane consumer: {e}"))?;
+    let info = consumer.info().await?;
+    Ok(info
+        .priority_groups
+        .iter()
+        .find(|g| g.group == subjects::LANE_GROUP)
+        .and_then(|g| g.pinned_client_id.clone()))
+}
+
 /// The same fail-over after a restart of the (single) nats-server: replica liveness keeps
 /// working across it. Its bucket was memory-stored once, so a restart dropped it: renewals
 /// failed from then on, a replica started afterwards could not bind, and a killed replica's
