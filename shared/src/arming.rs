@@ -119,12 +119,57 @@ pub async fn publish_item(
     rev: u64,
     first: Option<&ExecutionId>,
 ) -> Result<u64, ArmError> {
-    let item = LaneItem::Delivery(DeliveryItem {
-        delivery: marker.delivery.clone(),
-        marker_rev: Some(rev),
-        first: first.cloned(),
-    });
-    let env = item.to_envelope(session)?;
+    publish(
+        js,
+        session,
+        DeliveryItem {
+            delivery: marker.delivery.clone(),
+            marker_rev: Some(rev),
+            first: first.cloned(),
+            first_ended_at: None,
+        },
+    )
+    .await
+}
+
+/// The completion whose end a delivery item is published ahead for.
+#[derive(Debug, Clone, Copy)]
+pub struct First<'a> {
+    pub execution: &'a ExecutionId,
+    /// When that end ended, as its router is recording it.
+    pub ended_at: Option<chrono::DateTime<Utc>>,
+}
+
+/// The item of `marker` published beside its create and its end's registry write, before
+/// either is known to have succeeded (the broker's routing ahead): it names the execution and
+/// the end it was published for (`DeliveryItem::first_ended_at`), and not the marker's
+/// revision, which is not known yet. If the create found a delivery armed, this item is an
+/// extra delivery: it carries whatever is pending when it runs, or nothing.
+pub async fn publish_item_ahead(
+    js: &jetstream::Context,
+    session: &SessionId,
+    marker: &DeliveryMarker,
+    first: First<'_>,
+) -> Result<u64, ArmError> {
+    publish(
+        js,
+        session,
+        DeliveryItem {
+            delivery: marker.delivery.clone(),
+            marker_rev: None,
+            first: Some(first.execution.clone()),
+            first_ended_at: first.ended_at,
+        },
+    )
+    .await
+}
+
+async fn publish(
+    js: &jetstream::Context,
+    session: &SessionId,
+    item: DeliveryItem,
+) -> Result<u64, ArmError> {
+    let env = LaneItem::Delivery(item).to_envelope(session)?;
     Ok(events::publish_durable_at(js, subjects::lane(session), &env).await?)
 }
 

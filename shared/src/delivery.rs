@@ -100,9 +100,17 @@ pub struct DeliveryItem {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub marker_rev: Option<u64>,
     /// The execution whose completion armed it: the lane checks that one in the registry (R8)
-    /// while it fetches the pending completions, rather than after.
+    /// while it fetches the pending completions, rather than after, and waits for it if the
+    /// item overtook its store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first: Option<crate::ids::ExecutionId>,
+    /// When `first`'s end ended, as the router that published this item was recording it.
+    /// Set when the item went out beside that end's registry write and its marker's create,
+    /// before its router knew whether that end would be the one recorded or its marker
+    /// created: the lane waits for `first` only if the registry holds this end (or none yet).
+    /// Another end that won routes its own completion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_ended_at: Option<DateTime<Utc>>,
 }
 
 /// Clears the session's marker if it still names `delivery` (the lane does this once the

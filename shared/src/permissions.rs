@@ -274,7 +274,10 @@ impl Role {
                             "*",
                             crate::events::EventKind::SessionStopped.as_str(),
                         ),
-                    ],
+                    ]
+                    .into_iter()
+                    .chain(subjects::arming_events())
+                    .collect::<Vec<_>>(),
                 );
                 g.subscribe.sort();
                 g

@@ -205,6 +205,15 @@ pub fn session_step_events(session: &SessionId) -> String {
     event("session", session.as_str(), "step.>")
 }
 
+/// What the broker follows (with the sessions' stops) to tell which sessions have a delivery
+/// armed or a run holding them: every session's delivery and run events.
+pub fn arming_events() -> [String; 2] {
+    [
+        event("session", "*", "delivery.>"),
+        event("session", "*", "run.>"),
+    ]
+}
+
 /// Every run event of every session (the scheduler follows run ends).
 pub const ALL_RUN_EVENTS: &str = "ts.events.session.*.run.>";
 

@@ -78,6 +78,9 @@ pub(crate) struct Ctx {
     pub topology: TopologyConfig,
     /// Ends this replica's report handler is recording itself (see `ended`).
     pub inline: ended::Inline,
+    /// Sessions with a delivery armed or a run holding them, as this replica sees it
+    /// (see `ended`).
+    pub armed: ended::ArmedSessions,
     /// Running steps' records as this replica last wrote them (see `running`).
     pub running: running::Running,
     parent_locks: std::sync::Mutex<HashMap<ExecutionId, Arc<tokio::sync::Mutex<()>>>>,
@@ -117,6 +120,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         buckets,
         topology: config.topology.clone(),
         inline: Default::default(),
+        armed: Default::default(),
         running: Default::default(),
         parent_locks: Default::default(),
     });
@@ -127,9 +131,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
             None => Ok(()),
         }
     };
-    let (api, callout, (), (), (), ()) = tokio::join!(
+    let armed = async {
+        if let Err(e) = ctx.armed.follow(&ctx.client, &shutdown).await {
+            tracing::warn!(error = %e, "follow delivery and run events; lane items wait for their marker's create");
+        }
+    };
+    let (api, callout, (), (), (), (), ()) = tokio::join!(
         api::serve(ctx.clone(), shutdown.clone()),
         callout,
+        armed,
         ended::run(ctx.clone(), shutdown.clone()),
         turns::run(ctx.clone(), shutdown.clone()),
         agents::run(ctx.clone(), shutdown.clone()),

@@ -61,6 +61,8 @@ pub(crate) struct Ctx {
     pub handback: std::sync::Mutex<Handback>,
     /// Sessions whose last delivery failed: their next turn end re-arms a delivery.
     pub left_pending: std::sync::Mutex<std::collections::HashSet<turnstile_shared::SessionId>>,
+    /// Executions whose completions this replica's lanes collected lately (`handoff`).
+    pub collected: crate::handoff::Collected,
     /// Lanes setting up (consumer, pull stream) at once: see `lane::serve`.
     pub lane_setup: tokio::sync::Semaphore,
     /// Every lane's pull requests and their replies, on one subscription.

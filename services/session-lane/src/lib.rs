@@ -142,6 +142,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         handback: Default::default(),
         completions: Default::default(),
         left_pending: Default::default(),
+        collected: Default::default(),
         placement: Default::default(),
         lane_setup: tokio::sync::Semaphore::new(LANE_SETUP_CONCURRENCY),
         pulls,

@@ -390,11 +390,12 @@ async fn item_first(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::delivery::Completion;
     use turnstile_shared::{arming, subjects};
     let (s, step) = idle_with_a_step(stack, "overtaken", "nobody").await?;
-    // The broker's half, by hand and out of order: the marker and the item naming the step
-    // first, its completion only once the lane is waiting for it.
+    // The broker's half, by hand and out of order: the delivery armed naming the step first,
+    // its end recorded and its completion stored only once the lane is waiting for it.
     let js = stack.js_as("notification-broker").await?;
     let (marker, rev) = claim_by_hand(&js, &s).await?;
     arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
+    let delivery = marker.delivery;
     let completions = stack.js.get_stream(subjects::COMPLETION_STREAM).await?;
     turnstile_tests::wait_until(
         "the delivery to wait for the completion that armed it",
@@ -407,7 +408,7 @@ async fn item_first(stack: &mut Stack) -> Result<()> {
         },
     )
     .await?;
-    let record = stack.exec(&step.id).await?.context("the step's record")?;
+    let record = end_by_hand(stack, &step.id, "done", chrono::Utc::now()).await?;
     turnstile_shared::events::publish_durable(
         &js,
         subjects::completion(&s, &step.id),
@@ -416,7 +417,7 @@ async fn item_first(stack: &mut Stack) -> Result<()> {
     )
     .await?;
     let done = stack
-        .wait_turn(&marker.delivery.turn(), Duration::from_secs(20))
+        .wait_turn(&delivery.turn(), Duration::from_secs(20))
         .await?;
     ensure!(
         matches!(done.state, TurnState::Completed { .. }),
@@ -434,13 +435,7 @@ async fn item_first(stack: &mut Stack) -> Result<()> {
         "{}",
         done.text
     );
-    turnstile_tests::wait_until(
-        "the carried completion acked",
-        Duration::from_secs(20),
-        || async { Ok((crate::stack::completion_backlog(stack, &s).await? == 0).then_some(())) },
-    )
-    .await?;
-    Ok(())
+    all_acked(stack, &s).await
 }
 
 /// A worker's end is recorded beside the store of its message on the ended queue. If that
@@ -510,6 +505,146 @@ async fn recorded_not_queued(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
+/// The broker sends a completion and its lane item beside the end's registry write, before
+/// it knows the write landed (R14 still holds: nothing acts on the end before the registry
+/// has it). The lane hands the completion over only once the registry holds the end, and
+/// says what the registry says, whatever the message claims (R8, R12): here the message
+/// claims an outcome the registry never recorded, and the end lands only once the delivery
+/// is waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_sent_ahead_of_its_end_is_handed_over_as_the_registry_records_it() -> Result<()>
+{
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = sent_ahead(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn sent_ahead(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::arming::{self, First};
+    use turnstile_shared::delivery::Completion;
+    use turnstile_shared::subjects;
+    let (s, step) = idle_with_a_step(stack, "ahead", "nobody").await?;
+    let js = stack.js_as("notification-broker").await?;
+    let at = chrono::Utc::now();
+    // The broker's half, as routing ahead sends it: the completion built from the record as
+    // the end was to write it, the marker and the item naming the end.
+    let claimed = Completion {
+        execution: step.id.clone(),
+        name: step.name.clone(),
+        status: "completed".into(),
+        summary: "as the message says".into(),
+        ended_at: at,
+    };
+    turnstile_shared::events::publish_durable(
+        &js,
+        subjects::completion(&s, &step.id),
+        &claimed.envelope(&s)?,
+        None,
+    )
+    .await?;
+    let (marker, _) = claim_by_hand(&js, &s).await?;
+    let first = First {
+        execution: &step.id,
+        ended_at: Some(at),
+    };
+    arming::publish_item_ahead(&js, &s, &marker, first).await?;
+    // The delivery holds the completion, waiting for the registry to have its end.
+    let completions = stack.js.get_stream(subjects::COMPLETION_STREAM).await?;
+    turnstile_tests::wait_until(
+        "the delivery to take the completion",
+        Duration::from_secs(10),
+        || async {
+            let info = completions
+                .consumer_info(subjects::completion_consumer(&s))
+                .await?;
+            Ok((info.num_ack_pending == 1).then_some(()))
+        },
+    )
+    .await?;
+    ensure!(
+        stack.delivery_turns(&s).await?.is_empty(),
+        "handed over before the registry held the end"
+    );
+    end_by_hand(stack, &step.id, "as the registry says", at).await?;
+    let done = stack
+        .wait_turn(&marker.delivery.turn(), Duration::from_secs(20))
+        .await?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
+    ensure!(
+        listed_steps(&done.text) == vec![step.id.to_string()]
+            && done.text.contains("as the registry says")
+            && !done.text.contains("as the message says"),
+        "{}",
+        done.text
+    );
+    all_acked(stack, &s).await
+}
+
+/// An item sent ahead of its marker's create finds, when the create fails, a delivery armed
+/// already: it is an extra delivery on the lane. Running after the armed one, which carried
+/// its completion, it carries nothing (never a result twice, R3) and does not wait for the
+/// completion it names, which was handed over (R13: nothing waits on what has ended).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extra_item_sent_ahead_carries_nothing_twice_and_waits_for_nothing() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = extra_ahead(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn extra_ahead(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::arming::{self, First};
+    use turnstile_shared::delivery::{Completion, DeliveryMarker};
+    use turnstile_shared::{subjects, DeliveryId};
+    let (s, step) = idle_with_a_step(stack, "extra", "nobody").await?;
+    let js = stack.js_as("notification-broker").await?;
+    let record = end_by_hand(stack, &step.id, "done", chrono::Utc::now()).await?;
+    turnstile_shared::events::publish_durable(
+        &js,
+        subjects::completion(&s, &step.id),
+        &Completion::of(&record).envelope(&s)?,
+        None,
+    )
+    .await?;
+    // The armed delivery, then an item sent ahead whose marker's create found it armed.
+    let (marker, rev) = claim_by_hand(&js, &s).await?;
+    arming::publish_item(&js, &s, &marker, rev, None).await?;
+    let unarmed = DeliveryMarker {
+        delivery: DeliveryId::new(),
+        armed_at: chrono::Utc::now(),
+    };
+    let first = First {
+        execution: &step.id,
+        ended_at: record.status.ended_at(),
+    };
+    arming::publish_item_ahead(&js, &s, &unarmed, first).await?;
+    turnstile_tests::wait_until("both items done with", Duration::from_secs(20), || async {
+        let v = stack.show(&s).await?;
+        let left = stack.lane_items(&s).await?;
+        Ok((!v.busy && v.queued == 0 && left.is_empty()).then_some(()))
+    })
+    .await?;
+    let deliveries = stack.delivery_turns(&s).await?;
+    ensure!(
+        deliveries.len() == 1 && deliveries[0].id == marker.delivery.turn(),
+        "one delivery turn, the armed one's: {deliveries:?}"
+    );
+    ensure!(
+        listed_steps(&deliveries[0].text) == vec![step.id.to_string()],
+        "{}",
+        deliveries[0].text
+    );
+    let log = std::fs::read_to_string(stack.lanes.get("a").context("replica a")?.log_path())?;
+    ensure!(
+        !log.contains("did not arrive"),
+        "the extra delivery waited for a completion handed over already"
+    );
+    Ok(())
+}
+
 /// A delivery full to the cap before the completion that armed it is stored goes without it,
 /// and the next delivery is armed naming it, so it waits for that completion in turn: a
 /// completion whose item overtook it is never left with nothing armed for it (R3).
@@ -545,6 +680,7 @@ async fn full_first(stack: &mut Stack) -> Result<()> {
     }
     let (marker, rev) = claim_by_hand(&js, &s).await?;
     arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
+    let delivery = marker.delivery;
     // The first delivery refuses the fillers and arms the next, which waits for the step's
     // completion: only then is it stored.
     let completions = stack.js.get_stream(subjects::COMPLETION_STREAM).await?;
@@ -559,7 +695,7 @@ async fn full_first(stack: &mut Stack) -> Result<()> {
         },
     )
     .await?;
-    let record = stack.exec(&step.id).await?.context("the step's record")?;
+    let record = end_by_hand(stack, &step.id, "done", chrono::Utc::now()).await?;
     turnstile_shared::events::publish_durable(
         &js,
         subjects::completion(&s, &step.id),
@@ -573,7 +709,7 @@ async fn full_first(stack: &mut Stack) -> Result<()> {
         "{delivered:?}"
     );
     ensure!(
-        delivered[0].id != marker.delivery.turn(),
+        delivered[0].id != delivery.turn(),
         "carried by the first delivery, which was full"
     );
     Ok(())
@@ -837,9 +973,10 @@ async fn dead_host_delivery(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::{arming, subjects};
     let (s, step) = idle_with_a_step(stack, "dead-host", "nobody").await?;
     stack.transports.get_mut("h1").context("h1")?.kill().await?;
-    // The broker's half, by hand: the completion stored, then its marker and item.
+    // The broker's half, by hand: the end recorded and its completion stored, then the
+    // delivery armed.
     let js = stack.js_as("notification-broker").await?;
-    let record = stack.exec(&step.id).await?.context("the step's record")?;
+    let record = end_by_hand(stack, &step.id, "done", chrono::Utc::now()).await?;
     turnstile_shared::events::publish_durable(
         &js,
         subjects::completion(&s, &step.id),
@@ -847,9 +984,9 @@ async fn dead_host_delivery(stack: &mut Stack) -> Result<()> {
         None,
     )
     .await?;
+    let turns = stack.js.get_key_value(subjects::TURNS_BUCKET).await?;
     let (marker, rev) = claim_by_hand(&js, &s).await?;
     let turn = marker.delivery.turn();
-    let turns = stack.js.get_key_value(subjects::TURNS_BUCKET).await?;
     let mut changes = turns.watch_with_history(turn.as_str()).await?;
     arming::publish_item(&js, &s, &marker, rev, Some(&step.id)).await?;
     let mut states = Vec::new();
@@ -939,6 +1076,7 @@ async fn superseded(stack: &mut Stack) -> Result<()> {
     let js = stack.js_as("notification-broker").await?;
     let (marker, rev) = claim_by_hand(&js, &s).await?;
     arming::publish_item(&js, &s, &marker, rev, None).await?;
+    let delivery = marker.delivery;
     let lane = stack.js.get_stream(subjects::LANE_STREAM).await?;
     turnstile_tests::wait_until(
         "the frozen replica to be handed the item",
@@ -955,7 +1093,7 @@ async fn superseded(stack: &mut Stack) -> Result<()> {
         .context("replica a")?
         .kill()
         .await?;
-    let turn = marker.delivery.turn();
+    let turn = delivery.turn();
     let failed = stack.wait_turn(&turn, Duration::from_secs(30)).await?;
     match &failed.state {
         TurnState::Failed { reason: r, .. } => {
@@ -971,7 +1109,7 @@ async fn superseded(stack: &mut Stack) -> Result<()> {
         turn: turn.clone(),
         text: text.into(),
         delivery: Some(Carried {
-            delivery: marker.delivery.clone(),
+            delivery: delivery.clone(),
             completions: Vec::new(),
         }),
         known: None,
@@ -1035,6 +1173,16 @@ impl ExternalWorker {
     }
 }
 
+/// Until every completion of `s` is acked (handed over).
+async fn all_acked(stack: &Stack, s: &SessionId) -> Result<()> {
+    turnstile_tests::wait_until(
+        "the carried completions acked",
+        Duration::from_secs(20),
+        || async { Ok((crate::stack::completion_backlog(stack, s).await? == 0).then_some(())) },
+    )
+    .await
+}
+
 /// The broker's first half of arming a delivery, by hand (`js` under the broker's identity):
 /// the session's marker claimed, as on an idle lane.
 async fn claim_by_hand(
@@ -1046,6 +1194,45 @@ async fn claim_by_hand(
     arming::claim(js, &buckets.deliveries, s, arming::Trust::YoungMarkers)
         .await?
         .context("nothing armed on an idle lane")
+}
+
+/// An execution's end written to the registry as the broker writes it (completed at `at`,
+/// with `summary`), and nothing else: the test routes it by hand.
+async fn end_by_hand(
+    stack: &Stack,
+    id: &ExecutionId,
+    summary: &str,
+    at: chrono::DateTime<chrono::Utc>,
+) -> Result<turnstile_shared::execution::ExecutionRecord> {
+    use turnstile_shared::execution::{ExecStatus, ExecutionRecord, StepResult};
+    let kv = stack
+        .js_as("notification-broker")
+        .await?
+        .get_key_value(turnstile_shared::subjects::EXECUTIONS_BUCKET)
+        .await?;
+    let entry = kv.entry(id.as_str()).await?.context("the record")?;
+    let mut record: ExecutionRecord = serde_json::from_slice(&entry.value)?;
+    ensure!(
+        !record.status.is_terminal(),
+        "ended already: {:?}",
+        record.status
+    );
+    record.status = ExecStatus::Completed {
+        started_at: record.status.started_at(),
+        ended_at: at,
+        result: StepResult {
+            exit_code: Some(0),
+            summary: summary.into(),
+            output: vec![],
+        },
+    };
+    kv.update(
+        id.as_str(),
+        serde_json::to_vec(&record)?.into(),
+        entry.revision,
+    )
+    .await?;
+    Ok(record)
 }
 
 /// R4 on a lane stream that keeps items until removed: a run item its lane acked, whose

@@ -1,19 +1,33 @@
-//! The round trips of routing that do not depend on an end's outcome: each target session's
-//! read and its delivery marker's create (one round trip each: a delivery removes its marker
-//! without leaving a removal behind). They start beside the end's registry write, so routing
-//! finds the create done, or nearly, when it stores the completion and publishes the lane
-//! item; the session read runs on in a task of its own and is waited for only after that.
-//! Every marker they create is owed its item until routing publishes it ([`Early::owed`]): no
-//! marker waits without one.
+//! The round trips of routing that need not wait for an end's registry write, made beside it:
+//! each target session's read and its delivery marker's create (one round trip each: a
+//! delivery removes its marker without leaving a removal behind). For a worker's report this
+//! replica is recording at once (`Inline`), also the completion's store and the delivery's
+//! lane item, built from the record as that end writes it ([`Ending`]): the item then reaches
+//! the lane with the end's write, not two round trips after it.
+//!
+//! Nothing acts on that end before the registry holds it: the lane hands a completion over
+//! only once its record has ended, and says what the record says (R8, R12). The item goes
+//! out beside the marker's create, before it is known to succeed, and only to a session this
+//! replica believes has no delivery armed ([`super::armed`]). If the create finds one armed
+//! all the same, the item is an extra delivery, which carries whatever is pending when it
+//! runs (or nothing, and clears itself): never a result twice, never one lost.
+//!
+//! Every marker this end creates is owed its item until one is out ([`Early::owed`]): no
+//! marker waits without one. The session read runs on in a task of its own and is waited for
+//! only after the item is out.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
-use turnstile_shared::delivery::DeliveryMarker;
+use turnstile_shared::arming::{self, ArmError};
+use turnstile_shared::delivery::{Completion, DeliveryMarker};
+use turnstile_shared::events::{self, PublishError};
+use turnstile_shared::execution::ExecutionRecord;
 use turnstile_shared::kv::KvError;
 use turnstile_shared::records::SessionRecord;
-use turnstile_shared::SessionId;
+use turnstile_shared::{subjects, SessionId};
 
 use crate::Ctx;
 
@@ -25,11 +39,21 @@ pub(super) type Owed = (SessionId, DeliveryMarker, u64);
 pub(super) type SessionRead = JoinHandle<Result<Option<(SessionRecord, u64)>, KvError>>;
 
 /// What was done for a target ahead of routing: its session read started and a marker
-/// create tried.
+/// create tried; for an end routed ahead, its completion's store and its lane item.
 pub(super) struct Ahead {
     pub active: SessionRead,
     pub marker: DeliveryMarker,
     pub created: Result<Option<u64>, KvError>,
+    pub sent: Option<Sent>,
+}
+
+/// The completion and lane item of an end routed ahead.
+pub(super) struct Sent {
+    pub stored: Result<(), PublishError>,
+    /// How long the completion's store took.
+    pub store_took: Duration,
+    /// The item's sequence on the lane stream, if one went out.
+    pub item: Option<Result<u64, ArmError>>,
 }
 
 fn fresh_marker() -> DeliveryMarker {
@@ -46,19 +70,32 @@ pub(super) struct Early {
     owed: Vec<Owed>,
 }
 
+/// What is made ahead for an end: for `targets`, the reads and creates; for an end routed
+/// ahead, also its completion and item, from `ending` (the record as the end writes it).
+pub(super) enum Ending<'a> {
+    Targets(Vec<SessionId>),
+    Routed(&'a ExecutionRecord),
+}
+
 impl Early {
-    /// Makes the reads and creates for `targets` (none: nothing runs); the markers they
-    /// created are owed from then on.
-    pub(super) async fn run(ctx: &Arc<Ctx>, targets: Vec<SessionId>) -> Self {
-        let done = if targets.is_empty() {
-            HashMap::new()
-        } else {
-            ahead(ctx, targets).await
+    /// Makes the round trips for `ending`'s targets; the markers they created are owed from
+    /// then on, unless their item went out with them.
+    pub(super) async fn run(ctx: &Arc<Ctx>, ending: Ending<'_>) -> Self {
+        let done = match &ending {
+            Ending::Targets(t) if t.is_empty() => HashMap::new(),
+            Ending::Targets(t) => ahead(ctx, t.clone(), None).await,
+            Ending::Routed(record) => ahead(ctx, record.targets(), Some(record)).await,
         };
         let owed = done
             .iter()
-            .filter_map(|(t, a)| match &a.created {
-                Ok(Some(rev)) => Some((t.clone(), a.marker.clone(), *rev)),
+            .filter_map(|(t, a)| match (&a.created, &a.sent) {
+                (
+                    Ok(Some(_)),
+                    Some(Sent {
+                        item: Some(Ok(_)), ..
+                    }),
+                ) => None,
+                (Ok(Some(rev)), _) => Some((t.clone(), a.marker.clone(), *rev)),
                 _ => None,
             })
             .collect();
@@ -74,11 +111,12 @@ impl Early {
         match self.done.remove(target) {
             Some(a) => a,
             None => {
-                let mut made = ahead(&self.ctx, vec![target.clone()]).await;
+                let mut made = ahead(&self.ctx, vec![target.clone()], None).await;
                 let a = made.remove(target).unwrap_or_else(|| Ahead {
                     active: tokio::spawn(async { Ok(None) }),
                     marker: fresh_marker(),
                     created: Ok(None),
+                    sent: None,
                 });
                 if let Ok(Some(rev)) = &a.created {
                     self.owe(target, &a.marker, *rev);
@@ -105,24 +143,83 @@ impl Early {
     }
 }
 
-async fn ahead(ctx: &Ctx, targets: Vec<SessionId>) -> HashMap<SessionId, Ahead> {
-    futures::future::join_all(targets.into_iter().map(|t| async move {
-        let marker = fresh_marker();
-        let created = ctx.buckets.deliveries.create(t.as_str(), &marker);
-        let sessions = ctx.buckets.sessions.clone();
-        let key = t.to_string();
-        let active = tokio::spawn(async move { sessions.get::<SessionRecord>(&key).await });
-        let created = created.await;
-        (
-            t,
-            Ahead {
-                active,
-                marker,
-                created,
-            },
-        )
+async fn ahead(
+    ctx: &Ctx,
+    targets: Vec<SessionId>,
+    ending: Option<&ExecutionRecord>,
+) -> HashMap<SessionId, Ahead> {
+    let completion = ending.map(Completion::of);
+    futures::future::join_all(targets.into_iter().map(|t| {
+        let completion = completion.as_ref();
+        async move {
+            let marker = fresh_marker();
+            let created = ctx.buckets.deliveries.create(t.as_str(), &marker);
+            let sessions = ctx.buckets.sessions.clone();
+            let key = t.to_string();
+            let active = tokio::spawn(async move { sessions.get::<SessionRecord>(&key).await });
+            let (created, sent) = match (ending, completion) {
+                (Some(record), Some(completion)) => {
+                    let (created, sent) =
+                        tokio::join!(created, send(ctx, &t, record, completion, &marker));
+                    (created, Some(sent))
+                }
+                _ => (created.await, None),
+            };
+            match &created {
+                Ok(Some(_)) => ctx.armed.hold(&t, marker.delivery.as_str()),
+                Ok(None) => ctx.armed.found_armed(&t),
+                Err(_) => {}
+            }
+            (
+                t,
+                Ahead {
+                    active,
+                    marker,
+                    created,
+                    sent,
+                },
+            )
+        }
     }))
     .await
     .into_iter()
     .collect()
+}
+
+/// The completion's store and, unless this replica found the target armed a moment ago, the
+/// lane item of `marker` (its create still on its way) naming the execution and its end.
+async fn send(
+    ctx: &Ctx,
+    target: &SessionId,
+    record: &ExecutionRecord,
+    completion: &Completion,
+    marker: &DeliveryMarker,
+) -> Sent {
+    let store = async {
+        let began = Instant::now();
+        let stored = match completion.envelope(target) {
+            Ok(env) => {
+                let subject = subjects::completion(target, &record.id);
+                events::publish_durable(&ctx.js, subject, &env, None).await
+            }
+            Err(e) => Err(e.into()),
+        };
+        (stored, began.elapsed())
+    };
+    let item = async {
+        if ctx.armed.armed(target) {
+            return None;
+        }
+        let first = arming::First {
+            execution: &record.id,
+            ended_at: record.status.ended_at(),
+        };
+        Some(arming::publish_item_ahead(&ctx.js, target, marker, first).await)
+    };
+    let ((stored, store_took), item) = tokio::join!(store, item);
+    Sent {
+        stored,
+        store_took,
+        item,
+    }
 }

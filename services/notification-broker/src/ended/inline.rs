@@ -105,7 +105,7 @@ impl Announced {
     pub(crate) fn start(self, ctx: &Arc<Ctx>, ended: Ended, stored: oneshot::Receiver<u64>) {
         let ctx = ctx.clone();
         tokio::spawn(async move {
-            let ok = match super::record_end(&ctx, &ended).await {
+            let ok = match super::record_end(&ctx, &ended, true).await {
                 Ok(()) => true,
                 Err(e) => {
                     tracing::debug!(execution = %ended.execution, error = %e, "inline end; its queued message records it");

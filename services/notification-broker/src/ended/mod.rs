@@ -23,11 +23,13 @@ use turnstile_shared::{consume, subjects, topology};
 
 use crate::registry::{self, Reach};
 
+mod armed;
 mod early;
 mod inline;
 use crate::step_events::step_envelope;
 use crate::Ctx;
-use early::{Early, Owed};
+pub(crate) use armed::ArmedSessions;
+use early::{Early, Ending, Owed};
 pub(crate) use inline::Inline;
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
@@ -82,7 +84,7 @@ async fn handle(ctx: &Arc<Ctx>, msg: jetstream::Message) {
         }
         None => {}
     }
-    match record_end(ctx, &ended).await {
+    match record_end(ctx, &ended, false).await {
         Ok(()) => {
             if let Err(e) = msg.ack().await {
                 tracing::debug!(execution = %ended.execution, error = %e, "ack end");
@@ -113,7 +115,10 @@ enum EndError {
     Task(#[from] tokio::task::JoinError),
 }
 
-async fn record_end(ctx: &Arc<Ctx>, ended: &Ended) -> Result<(), EndError> {
+/// Records an end and routes it. `ahead`: the end is a worker's report this replica took,
+/// recorded at once (`Inline`): its completion and lane item go out beside its write too
+/// ([`Early`]). Otherwise (the ended queue, the backstop) they follow it.
+async fn record_end(ctx: &Arc<Ctx>, ended: &Ended, ahead: bool) -> Result<(), EndError> {
     ctx.running.forget(&ended.execution);
     // From the record the reporter read, when it sent it: one write, no read (a conflict
     // re-reads).
@@ -123,12 +128,20 @@ async fn record_end(ctx: &Arc<Ctx>, ended: &Ended) -> Result<(), EndError> {
         .filter(|k| k.record.id == ended.execution)
         .map(|k| (k.record.clone(), k.revision));
     // The session reads and marker creates that do not depend on the end's outcome go out
-    // beside its write (the targets as the reporter read them).
-    let early_targets = known
+    // beside its write (the targets as the reporter read them); for an end routed ahead, its
+    // completion and item too, from the record as this end writes it.
+    let running = known
         .as_ref()
-        .filter(|(r, _)| r.kind == ExecKind::Step && !r.status.is_terminal())
-        .map(|(r, _)| r.targets())
-        .unwrap_or_default();
+        .map(|(r, _)| r)
+        .filter(|r| r.kind == ExecKind::Step && !r.status.is_terminal());
+    let ending = running.filter(|_| ahead).map(|r| ExecutionRecord {
+        status: with_start(&ended.status, r.status.started_at()),
+        ..r.clone()
+    });
+    let early_targets = match &ending {
+        Some(record) => Ending::Routed(record),
+        None => Ending::Targets(running.map(|r| r.targets()).unwrap_or_default()),
+    };
     // Whether this call wrote the end (the last decision of the compare-and-set), rather than
     // finding it recorded: a repeat (a redelivered end, the other replica's copy, a resend)
     // may route a completion that is long handed over.
@@ -258,17 +271,19 @@ async fn release(ctx: &Ctx, owed: Vec<Owed>) {
 }
 
 /// One completion per target session (owner, then watchers; R8), then a delivery armed for
-/// each. Both are idempotent, so a redelivered end repeats them harmlessly. The completion's
-/// store goes out at once; beside it, the target's marker create is awaited (made ahead,
-/// beside the end's write, when the reporter's record named the targets) and, when this end
-/// created the marker and `wrote` the end, the lane item is published naming the execution
-/// (`first`). The item may so reach the lane before the completion is stored: the delivery
-/// waits for the completion it names ([`arming::FIRST_WAIT`]), and a store slower than half
-/// that wait arms again in case the delivery gave up on it first. A repeat of an end already
-/// recorded publishes its item only once the completion is stored, naming nothing: its
-/// completion may be handed over already, and a delivery waiting for it would hold the lane
-/// for nothing. The target session's read is waited for last: a stopped target's item is
-/// taken back.
+/// each. Both are idempotent, so a redelivered end repeats them harmlessly. An end routed
+/// ahead ([`Early`]) has its completion stored and its item out already (the item is this
+/// delivery's if the marker's create succeeded, an extra one otherwise). Otherwise the
+/// completion's store goes out now; beside it, the target's marker create is awaited (made
+/// ahead, beside the end's write, when the reporter's record named the targets) and, when
+/// this end created the marker and `wrote` the end, the lane item is published naming the
+/// execution (`first`). The item may so reach the lane before the completion is stored: the
+/// delivery waits for the completion it names ([`arming::FIRST_WAIT`]), and a store slower
+/// than half that wait arms again in case the delivery gave up on it first. A repeat of an
+/// end already recorded publishes its item only once the completion is stored, naming
+/// nothing: its completion may be handed over already, and a delivery waiting for it would
+/// hold the lane for nothing. The target session's read is waited for last: a stopped
+/// target's item is taken back.
 async fn route(
     ctx: &Ctx,
     record: &ExecutionRecord,
@@ -281,33 +296,57 @@ async fn route(
     for target in record.targets() {
         let env = completion.envelope(&target)?;
         let began = std::time::Instant::now();
-        let store = events::publish_durable(
-            &ctx.js,
-            subjects::completion(&target, &record.id),
-            &env,
-            None,
-        );
+        let mut a = early.take(&target).await;
+        let sent = a.sent.take();
+        let stored_ahead = sent
+            .as_ref()
+            .filter(|s| s.stored.is_ok())
+            .map(|s| s.store_took);
+        let store = async {
+            if stored_ahead.is_some() {
+                return Ok(());
+            }
+            events::publish_durable(
+                &ctx.js,
+                subjects::completion(&target, &record.id),
+                &env,
+                None,
+            )
+            .await
+        };
         let decide = async {
-            let a = early.take(&target).await;
             let created = a.created?.map(|rev| (a.marker, rev));
             let mut published = None;
-            if let (true, Some((marker, rev))) = (wrote, &created) {
+            // An item that went out ahead beside a create that found a delivery armed.
+            let mut extra = None;
+            match sent.and_then(|s| s.item) {
+                Some(Ok(seq)) if created.is_some() => published = Some(seq),
+                Some(Ok(seq)) => extra = Some(seq),
+                Some(Err(e)) => {
+                    tracing::debug!(execution = %record.id, session = %target, error = %e, "lane item sent ahead failed; publishing it now");
+                }
+                None => {}
+            }
+            if let (true, None, Some((marker, rev))) = (wrote, published, &created) {
                 let seq =
                     arming::publish_item(&ctx.js, &target, marker, *rev, Some(&record.id)).await?;
-                // Its item is out: the marker is in use.
-                early.paid(&target);
                 published = Some(seq);
             }
+            if published.is_some() {
+                // Its item is out: the marker is in use.
+                early.paid(&target);
+            }
             let active = a.active.await??.is_some_and(|(s, _)| s.is_active());
-            Ok::<_, EndError>((active, created, published))
+            Ok::<_, EndError>((active, created, published, extra))
         };
         let (stored, decided) = tokio::join!(store, decide);
-        let (active, created, published) = decided?;
+        let (active, created, published, extra) = decided?;
         stored?;
+        let store_took = stored_ahead.unwrap_or_else(|| began.elapsed());
         if !active {
             // Kept on TS_COMPLETION for operators; nothing will hand it over.
             early.paid(&target);
-            if let Some(seq) = published {
+            for seq in published.into_iter().chain(extra) {
                 arming::take_back_item(&ctx.js, &target, seq).await?;
             }
             let claimed = match created {
@@ -338,7 +377,7 @@ async fn route(
                 Some((marker, rev))
             }
             Some(c) => {
-                if began.elapsed() >= arming::FIRST_WAIT / 2 {
+                if store_took >= arming::FIRST_WAIT / 2 {
                     // Stored late: its delivery may have stopped waiting for it and cleared
                     // the marker; if so a new one is armed (else the marker stands).
                     tracing::info!(execution = %record.id, session = %target, "completion stored late; arming again in case its delivery went without it");

@@ -87,17 +87,55 @@ pub(crate) struct Taken {
     pub unseen: Option<ExecutionId>,
 }
 
+/// The completion whose end armed a delivery, as its item names it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Expected<'a> {
+    pub execution: &'a ExecutionId,
+    /// When the end that armed the item ended: set for an item armed beside that end's
+    /// registry write (`DeliveryItem::first_ended_at`).
+    pub ended_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl<'a> Expected<'a> {
+    pub(crate) fn of(item: &'a DeliveryItem) -> Option<Self> {
+        item.first.as_ref().map(|execution| Self {
+            execution,
+            ended_at: item.first_ended_at,
+        })
+    }
+
+    /// Whether this delivery has a completion to wait for, when its fetch did not find it:
+    /// not if this replica collected it lately (an extra delivery, after the one that was
+    /// armed for it), nor if the registry holds another end than the one the item was sent
+    /// ahead for (that end routed its own).
+    fn awaited(&self, collected: bool, registry: Option<&Result<Completion, Refusal>>) -> bool {
+        if collected {
+            return false;
+        }
+        match (self.ended_at, registry) {
+            (Some(at), Some(Ok(recorded))) => recorded.ended_at == at,
+            _ => true,
+        }
+    }
+
+    /// Whether a completion not ended in the registry yet is worth waiting for: the one that
+    /// armed this item beside its end's write, which the registry has not taken yet.
+    fn ends_soon(&self, execution: &ExecutionId) -> bool {
+        self.ended_at.is_some() && self.execution == execution
+    }
+}
+
 /// Like [`collect`], with the registry check of `expected` (the execution whose completion
 /// armed the delivery) run beside the fetch: the common delivery of one completion then
 /// costs one round trip before its turn is recorded, not two.
 pub(crate) async fn collect_expecting(
     ctx: &Ctx,
     session: &SessionRecord,
-    expected: Option<&ExecutionId>,
+    expected: Option<Expected<'_>>,
 ) -> Result<Taken, DeliveryError> {
     let early = async {
         match expected {
-            Some(e) => Some((e, check(ctx, &session.id, e).await)),
+            Some(e) => Some((e.execution, check(ctx, &session.id, e.execution).await)),
             None => None,
         }
     };
@@ -105,25 +143,40 @@ pub(crate) async fn collect_expecting(
     let mut fetched = fetched?;
     let mut unseen = None;
     if let Some(first) = expected {
-        if !fetched.iter().any(|f| f.completion.execution == *first)
-            && wait_for(ctx, session, first, &mut fetched).await? == Waited::AtCap
+        let collected = ctx.collected.knows(first.execution);
+        if first.awaited(collected, early.as_ref().map(|(_, v)| v))
+            && !fetched
+                .iter()
+                .any(|f| f.completion.execution == *first.execution)
+            && wait_for(ctx, session, first.execution, &mut fetched).await? == Waited::AtCap
         {
-            unseen = Some(first.clone());
+            unseen = Some(first.execution.clone());
         }
     }
     let verdicts = futures::future::join_all(fetched.iter().map(|f| {
         let known = early
             .take_if(|(e, _)| **e == f.completion.execution)
             .map(|(_, v)| v);
+        let execution = &f.completion.execution;
         async move {
-            match known {
+            // Read again if the end was not recorded when it was first read (the completion
+            // may have been waited for since).
+            let verdict = match known {
+                Some(Err(Refusal::NotEnded)) | None => check(ctx, &session.id, execution).await,
                 Some(v) => v,
-                None => check(ctx, &session.id, &f.completion.execution).await,
+            };
+            match verdict {
+                Err(Refusal::NotEnded) if expected.is_some_and(|e| e.ends_soon(execution)) => {
+                    wait_ended(ctx, &session.id, execution).await
+                }
+                v => v,
             }
         }
     }))
     .await;
     let (carried, held) = keep_admitted(ctx, &session.id, fetched, verdicts).await;
+    ctx.collected
+        .note(carried.iter().map(|(c, _)| &c.execution));
     Ok(Taken {
         carried,
         held,
@@ -231,20 +284,28 @@ async fn wait_for(
     Ok(Waited::AtCap)
 }
 
-/// Keeps what the registry admitted; the rest is retried later or refused (dead-lettered).
+/// Keeps what the registry admitted, as the registry has it; the rest is retried later or
+/// refused (dead-lettered).
 async fn keep_admitted(
     ctx: &Ctx,
     session: &SessionId,
     fetched: Vec<Fetched>,
-    verdicts: Vec<Result<(), Refusal>>,
+    verdicts: Vec<Result<Completion, Refusal>>,
 ) -> (Vec<(Completion, u64)>, Vec<jetstream::Message>) {
     let mut carried = Vec::new();
     let mut held = Vec::new();
     for (f, verdict) in fetched.into_iter().zip(verdicts) {
         match verdict {
-            Ok(()) => {
-                carried.push((f.completion, f.seq));
+            Ok(completion) => {
+                carried.push((completion, f.seq));
                 held.push(f.msg);
+            }
+            Err(Refusal::NotEnded) => {
+                let _ = f
+                    .msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
+                tracing::info!(%session, execution = %f.completion.execution, "a completion whose end the registry does not hold yet; retried later");
             }
             Err(Refusal::Retry(e)) => {
                 let _ = f
@@ -262,6 +323,9 @@ async fn keep_admitted(
 /// Why a fetched completion is not carried now.
 enum Refusal {
     Retry(turnstile_shared::kv::KvError),
+    /// The registry does not hold its execution's end yet: its router stores the completion
+    /// beside the end's write, which may land a moment later (or fail, and be redone).
+    NotEnded,
     Reject(String),
 }
 
@@ -279,8 +343,14 @@ fn decode(session: &SessionId, m: &jetstream::Message) -> Result<Completion, Str
     env.data_as().map_err(|e| e.to_string())
 }
 
-/// A completion is handed over only to its owner or a registered watcher (R8).
-async fn check(ctx: &Ctx, session: &SessionId, execution: &ExecutionId) -> Result<(), Refusal> {
+/// A completion is handed over only to its owner or a registered watcher (R8), and only
+/// once the registry holds its execution's end: what the agent is told is the end recorded
+/// there (R12), whatever the message says.
+async fn check(
+    ctx: &Ctx,
+    session: &SessionId,
+    execution: &ExecutionId,
+) -> Result<Completion, Refusal> {
     let record = ctx
         .buckets
         .executions
@@ -288,7 +358,8 @@ async fn check(ctx: &Ctx, session: &SessionId, execution: &ExecutionId) -> Resul
         .await
         .map_err(Refusal::Retry)?;
     match record {
-        Some((r, _)) if r.may_receive(session) => Ok(()),
+        Some((r, _)) if r.may_receive(session) && r.status.is_terminal() => Ok(Completion::of(&r)),
+        Some((r, _)) if r.may_receive(session) => Err(Refusal::NotEnded),
         Some((r, _)) => Err(Refusal::Reject(format!(
             "execution {} belongs to {}; session {session} neither owns nor watches it",
             r.id,
@@ -299,6 +370,26 @@ async fn check(ctx: &Ctx, session: &SessionId, execution: &ExecutionId) -> Resul
         None => Err(Refusal::Reject(format!(
             "no execution {execution} in the registry"
         ))),
+    }
+}
+
+/// Checks again until the registry holds the end, for up to [`arming::FIRST_WAIT`]: the
+/// completion that armed this delivery was stored beside its end's registry write.
+async fn wait_ended(
+    ctx: &Ctx,
+    session: &SessionId,
+    execution: &ExecutionId,
+) -> Result<Completion, Refusal> {
+    let deadline = tokio::time::Instant::now() + arming::FIRST_WAIT;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        tokio::time::sleep(pause).await;
+        match check(ctx, session, execution).await {
+            Err(Refusal::NotEnded) if tokio::time::Instant::now() < deadline => {
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            v => return v,
+        }
     }
 }
 
@@ -456,4 +547,54 @@ pub(crate) fn rearm_if_pending(ctx: &Ctx, session: &SessionId) {
             arm_with(&js, &deliveries, &session, None).await;
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use turnstile_shared::StepId;
+
+    fn recorded(execution: &ExecutionId, at: chrono::DateTime<chrono::Utc>) -> Completion {
+        Completion {
+            execution: execution.clone(),
+            name: "n".into(),
+            status: "completed".into(),
+            summary: String::new(),
+            ended_at: at,
+        }
+    }
+
+    #[test]
+    fn a_delivery_waits_only_for_a_completion_that_may_still_come() {
+        let x: ExecutionId = StepId::new().into();
+        let at = chrono::Utc::now();
+        let ahead = Expected {
+            execution: &x,
+            ended_at: Some(at),
+        };
+        let ours = Ok(recorded(&x, at));
+        let theirs = Ok(recorded(&x, at + chrono::TimeDelta::milliseconds(3)));
+        assert!(
+            ahead.awaited(false, Some(&ours)),
+            "its end recorded: stored soon"
+        );
+        assert!(
+            ahead.awaited(false, Some(&Err(Refusal::NotEnded))),
+            "its end not recorded yet: both on their way"
+        );
+        assert!(
+            !ahead.awaited(false, Some(&theirs)),
+            "another end won: that one routed its own completion"
+        );
+        assert!(
+            !ahead.awaited(true, Some(&ours)),
+            "collected lately here: handed over already"
+        );
+        let armed_after_store = Expected {
+            execution: &x,
+            ended_at: None,
+        };
+        assert!(armed_after_store.awaited(false, Some(&theirs)));
+        assert!(ahead.ends_soon(&x) && !armed_after_store.ends_soon(&x));
+    }
 }

@@ -6,16 +6,19 @@
 //! - `turn`: dispatch a turn, wait for its recorded outcome, tell its end and finish it (R9,
 //!   R14);
 //! - `completions`: collect, check (R8) and settle (R3) the completions a turn carries, and
-//!   the delivery marker's clearing and re-arming;
+//!   the delivery marker's clearing and re-arming; `collected`: what was collected lately;
 //! - `reconnect`: a reply lost with a reconnect is not waited out.
 
+mod collected;
 mod completions;
 mod item;
 mod reconnect;
 mod turn;
 
+pub(crate) use collected::Collected;
 pub(crate) use completions::{
     collect, collect_expecting, disarm_and_recheck, rearm_if_pending, settle, DeliveryError,
+    Expected,
 };
 pub(crate) use item::{acked, reject, release, remove_item};
 pub(crate) use turn::{dispatch, finish, outcome_event, tell_end, wait_terminal, Watch};

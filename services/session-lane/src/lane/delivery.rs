@@ -15,7 +15,7 @@ use turnstile_shared::TurnId;
 use crate::ctx::Ctx;
 use crate::handoff::{
     acked, collect_expecting, disarm_and_recheck, dispatch, finish, release, settle, wait_terminal,
-    DeliveryError, Watch,
+    DeliveryError, Expected, Watch,
 };
 use turnstile_shared::metrics::item_kind;
 
@@ -64,7 +64,7 @@ pub(super) async fn run_delivery(
             (record, Vec::new())
         }
         None => {
-            let taken = match collect_expecting(ctx, session, item.first.as_ref()).await {
+            let taken = match collect_expecting(ctx, session, Expected::of(&item)).await {
                 Ok(c) => c,
                 Err(e) => return retry(e).await,
             };
@@ -98,6 +98,10 @@ pub(super) async fn run_delivery(
         }
     };
     let record = if record.state.is_terminal() {
+        // Redelivered after its turn ended: the marker may not have been cleared.
+        if let Err(e) = disarm_and_recheck(ctx, &session.id, &item, None).await {
+            tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "clear delivery marker; a stale marker is cleared by the next completion");
+        }
         record
     } else {
         // Off the hand-off path, while the turn runs.

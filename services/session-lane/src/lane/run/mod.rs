@@ -138,6 +138,7 @@ async fn hold_deliveries(ctx: &Ctx, session: &SessionId) -> Option<DeliveryItem>
             delivery: marker.delivery,
             marker_rev: Some(rev),
             first: None,
+            first_ended_at: None,
         }),
         Ok(None) => None,
         Err(e) => {
