@@ -111,11 +111,15 @@ pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
     // replies and events waited for a worker behind the services' tasks (a few hundred
     // microseconds a hop), which timed this process's scheduling, not the path.
     let url = d.operator.clone();
+    let (floor_url, replicas) = (d.floor.clone(), d.replicas);
     let timer = std::thread::spawn(move || -> Result<serde_json::Value> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        rt.block_on(sample(&url, &session, &work, n))
+        rt.block_on(async {
+            let floor = crate::floor::Floor::open(&floor_url, replicas).await?;
+            sample(&url, &session, &work, n, floor).await
+        })
     });
     let out = tokio::task::spawn_blocking(move || timer.join())
         .await?
@@ -126,12 +130,19 @@ pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
     Ok(out)
 }
 
-/// The timed part: each step reported on an idle lane, until its delivery turn starts.
+/// Round trips of the floor measured before every this many samples (a block of
+/// [`FLOOR_BLOCK`]), so the path is set beside the floor of the same minutes.
+const FLOOR_EVERY: usize = 10;
+const FLOOR_BLOCK: usize = 50;
+
+/// The timed part: each step reported on an idle lane, until its delivery turn starts; the
+/// floor in blocks between them (`floor_beside`).
 async fn sample(
     url: &str,
     session: &turnstile_shared::SessionId,
     work: &[StepWorkItem],
     n: usize,
+    mut floor: crate::floor::Floor,
 ) -> Result<serde_json::Value> {
     let client = Deployment::connect(url).await?;
     let js = async_nats::jetstream::new(client.clone());
@@ -144,7 +155,12 @@ async fn sample(
     // end to delivery item, item to dispatch.
     let (mut ended_us, mut routed_us, mut lane_us) = (Vec::new(), Vec::new(), Vec::new());
     let mut running_us = Vec::new();
+    let mut floor_us = Vec::new();
     for (i, item) in work.iter().enumerate() {
+        if i >= WARMUP && (i - WARMUP).is_multiple_of(FLOOR_EVERY) {
+            floor_us.extend(floor.warm_block(FLOOR_BLOCK).await?);
+            wait_idle(&client, &session).await?;
+        }
         let t0 = Utc::now();
         let result = StepResult {
             exit_code: Some(0),
@@ -230,6 +246,7 @@ async fn sample(
     }
     let mut out = crate::summary(samples);
     out["to_running"] = crate::summary(running_us);
+    out["floor_beside"] = crate::summary(floor_us);
     out["stages_p50_us"] = serde_json::json!({
         "report_to_recorded_end": crate::summary(ended_us)["p50_us"],
         "recorded_end_to_delivery_item": crate::summary(routed_us)["p50_us"],

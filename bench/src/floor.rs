@@ -26,39 +26,69 @@ pub async fn measure_after_idle(d: &Deployment, n: usize) -> Result<serde_json::
 }
 
 async fn measure_spaced(d: &Deployment, n: usize, pause: Duration) -> Result<serde_json::Value> {
-    let client = Deployment::connect(&d.floor).await?;
-    let js = async_nats::jetstream::new(client);
-    let s = js
-        .create_stream(stream::Config {
-            name: FLOOR_STREAM.into(),
-            subjects: vec![FLOOR_SUBJECT.into()],
-            retention: stream::RetentionPolicy::WorkQueue,
-            storage: stream::StorageType::File,
-            num_replicas: d.replicas,
-            ..Default::default()
-        })
-        .await?;
-    let c = s
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some("floor".into()),
-            ack_policy: consumer::AckPolicy::Explicit,
-            max_ack_pending: 1,
-            ..Default::default()
-        })
-        .await?;
-    let mut messages = c.messages().await?;
-    let mut samples = Vec::with_capacity(n);
-    for i in 0..n + 100 {
-        if !pause.is_zero() {
-            tokio::time::sleep(pause).await;
-        }
-        let t0 = Instant::now();
-        js.publish(FLOOR_SUBJECT, "x".into()).await?.await?;
-        let msg = messages.next().await.context("floor stream ended")??;
-        msg.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
-        if i >= 100 {
+    let mut floor = Floor::open(&d.floor, d.replicas).await?;
+    floor.block(100, pause).await?;
+    Ok(crate::summary(floor.block(n, pause).await?))
+}
+
+/// A floor client of its own (connection, stream, durable pull consumer) that measures round
+/// trips in blocks: between a path's samples, so the path is set beside the floor measured
+/// while it ran. This machine's floor moves by half within minutes; one measured a minute
+/// before the path is compared with the machine of a minute before.
+pub struct Floor {
+    js: async_nats::jetstream::Context,
+    messages: consumer::pull::Stream,
+}
+
+impl Floor {
+    pub async fn open(url: &str, replicas: usize) -> Result<Self> {
+        let client = Deployment::connect(url).await?;
+        let js = async_nats::jetstream::new(client);
+        let s = js
+            .create_stream(stream::Config {
+                name: FLOOR_STREAM.into(),
+                subjects: vec![FLOOR_SUBJECT.into()],
+                retention: stream::RetentionPolicy::WorkQueue,
+                storage: stream::StorageType::File,
+                num_replicas: replicas,
+                ..Default::default()
+            })
+            .await?;
+        let c = s
+            .create_consumer(consumer::pull::Config {
+                durable_name: Some("floor".into()),
+                ack_policy: consumer::AckPolicy::Explicit,
+                max_ack_pending: 1,
+                ..Default::default()
+            })
+            .await?;
+        let messages = c.messages().await?;
+        Ok(Self { js, messages })
+    }
+
+    /// `n` round trips, `pause` before each (not timed); each one's time in microseconds.
+    pub async fn block(&mut self, n: usize, pause: Duration) -> Result<Vec<f64>> {
+        let mut samples = Vec::with_capacity(n);
+        for _ in 0..n {
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            let t0 = Instant::now();
+            self.js.publish(FLOOR_SUBJECT, "x".into()).await?.await?;
+            let msg = self.messages.next().await.context("floor stream ended")??;
+            msg.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
             samples.push(t0.elapsed().as_secs_f64() * 1e6);
         }
+        Ok(samples)
     }
-    Ok(crate::summary(samples))
+
+    /// `n` round trips back to back after a few unmeasured ones (the first after a pause
+    /// wakes both sides' threads): the floor as every ratio takes it.
+    pub async fn warm_block(&mut self, n: usize) -> Result<Vec<f64>> {
+        self.block(WARM_UP, Duration::ZERO).await?;
+        self.block(n, Duration::ZERO).await
+    }
 }
+
+/// Round trips made before a block's measured ones.
+const WARM_UP: usize = 10;

@@ -19,8 +19,13 @@ use turnstile_shared::{SessionId, TurnId};
 
 pub struct LaneFigures {
     pub handoff: serde_json::Value,
+    /// The floor measured right before and right after the hand-off's turns.
+    pub floor_beside: serde_json::Value,
     pub throughput: serde_json::Value,
 }
+
+/// Round trips of the floor measured right before, and again right after, the hand-off.
+const FLOOR_BESIDE: usize = 500;
 
 pub async fn measure(
     d: &Deployment,
@@ -38,10 +43,13 @@ pub async fn measure(
     transport.pause().await;
 
     eprintln!("lanes: {single_turns} turns on one session");
+    let mut floor = crate::floor::Floor::open(&d.floor, d.replicas).await?;
+    let mut floor_us = floor.warm_block(FLOOR_BESIDE).await?;
     let single = queue(&js, &one, single_turns).await?;
     transport.resume()?;
     wait_all(&js, &single).await?;
     transport.pause().await;
+    floor_us.extend(floor.warm_block(FLOOR_BESIDE).await?);
     let handoff = handoffs(&records(&js, &single).await?);
 
     eprintln!("lanes: {turns_each} turns on each of {sessions} sessions");
@@ -54,6 +62,7 @@ pub async fn measure(
     lane.stop().await;
     Ok(LaneFigures {
         handoff: crate::summary(handoff),
+        floor_beside: crate::summary(floor_us),
         throughput: serde_json::json!({
             "sessions": sessions,
             "turns": all.len(),

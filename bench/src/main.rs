@@ -175,6 +175,16 @@ async fn main() -> Result<()> {
         "completion_over_floor_after_idle": {
             "p50": over(&completion, &floor_after_idle, "p50_us"),
         },
+        // Each path over the floor measured while it ran: round trips right before and after
+        // the hand-off's turns, and in blocks between the completion samples.
+        "jetstream_floor_beside_handoff": lanes.floor_beside,
+        "handoff_over_floor_beside": {
+            "p50": over(&lanes.handoff, &lanes.floor_beside, "p50_us"),
+        },
+        "jetstream_floor_beside_completion": completion["floor_beside"],
+        "completion_over_floor_beside": {
+            "p50": over(&completion, &completion["floor_beside"], "p50_us"),
+        },
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

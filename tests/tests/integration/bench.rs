@@ -67,6 +67,29 @@ async fn the_lanes_benchmark_prints_each_figure_beside_its_floor() -> Result<()>
         (r - completion / idle_floor).abs() < 0.01 + r * 0.01,
         "completion_over_floor_after_idle {r} is not {completion} / {idle_floor}"
     );
+    // Each path beside the floor measured while it ran: 500 round trips before and after the
+    // hand-off's turns; a block of 50 before every 10 completion samples (3 for 25).
+    for (ratio, path, floor, samples) in [
+        (
+            "handoff_over_floor_beside",
+            handoff,
+            "jetstream_floor_beside_handoff",
+            1000,
+        ),
+        (
+            "completion_over_floor_beside",
+            completion,
+            "jetstream_floor_beside_completion",
+            150,
+        ),
+    ] {
+        let beside = summary(&out, floor, samples)?;
+        let r = out[ratio]["p50"].as_f64().context(ratio)?;
+        ensure!(
+            (r - path / beside).abs() < 0.01 + r * 0.01,
+            "{ratio} {r} is not {path} / {beside}"
+        );
+    }
     let stages = &out["completion_to_agent"]["stages_p50_us"];
     for stage in [
         "report_to_recorded_end",
