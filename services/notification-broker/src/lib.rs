@@ -133,7 +133,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     };
     let armed = async {
         if let Err(e) = ctx.armed.follow(&ctx.client, &shutdown).await {
-            tracing::warn!(error = %e, "follow delivery and run events; lane items wait for their marker's create");
+            tracing::warn!(error = %e, "follow delivery and run events; no lane item is sent ahead of its marker's create");
         }
     };
     let (api, callout, (), (), (), (), ()) = tokio::join!(

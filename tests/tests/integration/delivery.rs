@@ -519,26 +519,36 @@ async fn a_completion_sent_ahead_of_its_end_is_handed_over_as_the_registry_recor
     report(&stack, r)
 }
 
-async fn sent_ahead(stack: &mut Stack) -> Result<()> {
+/// A session holding a step that has not ended, and the broker's half of routing its end
+/// ahead, by hand: the completion as the end was to write it (its summary `says`), the marker
+/// and the item naming the end, which is at `at`.
+async fn routed_ahead_by_hand(
+    stack: &Stack,
+    name: &str,
+    says: &str,
+) -> Result<(
+    SessionId,
+    turnstile_shared::execution::ExecutionRecord,
+    chrono::DateTime<chrono::Utc>,
+    turnstile_shared::delivery::DeliveryMarker,
+)> {
     use turnstile_shared::arming::{self, First};
     use turnstile_shared::delivery::Completion;
     use turnstile_shared::subjects;
-    let (s, step) = idle_with_a_step(stack, "ahead", "nobody").await?;
+    let (s, step) = idle_with_a_step(stack, name, "nobody").await?;
     let js = stack.js_as("notification-broker").await?;
     let at = chrono::Utc::now();
-    // The broker's half, as routing ahead sends it: the completion built from the record as
-    // the end was to write it, the marker and the item naming the end.
-    let claimed = Completion {
+    let sent = Completion {
         execution: step.id.clone(),
         name: step.name.clone(),
         status: "completed".into(),
-        summary: "as the message says".into(),
+        summary: says.into(),
         ended_at: at,
     };
     turnstile_shared::events::publish_durable(
         &js,
         subjects::completion(&s, &step.id),
-        &claimed.envelope(&s)?,
+        &sent.envelope(&s)?,
         None,
     )
     .await?;
@@ -548,6 +558,12 @@ async fn sent_ahead(stack: &mut Stack) -> Result<()> {
         ended_at: Some(at),
     };
     arming::publish_item_ahead(&js, &s, &marker, first).await?;
+    Ok((s, step, at, marker))
+}
+
+async fn sent_ahead(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::subjects;
+    let (s, step, at, marker) = routed_ahead_by_hand(stack, "ahead", "as the message says").await?;
     // The delivery holds the completion, waiting for the registry to have its end.
     let completions = stack.js.get_stream(subjects::COMPLETION_STREAM).await?;
     turnstile_tests::wait_until(
@@ -581,6 +597,59 @@ async fn sent_ahead(stack: &mut Stack) -> Result<()> {
         "{}",
         done.text
     );
+    all_acked(stack, &s).await
+}
+
+/// A completion sent ahead whose end reaches the registry only after its delivery stopped
+/// waiting for it (a slow registry write) is left pending, and the next delivery is armed
+/// for it at once: it is handed over when its end lands, with nothing routed again (R3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_whose_end_lands_late_is_handed_over_by_the_next_delivery() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = ends_late(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn ends_late(stack: &mut Stack) -> Result<()> {
+    let (s, step, at, _) = routed_ahead_by_hand(stack, "late", "late").await?;
+    // The delivery waits for the end, gives up, and leaves the completion pending.
+    let log = stack
+        .lanes
+        .get("a")
+        .context("replica a")?
+        .log_path()
+        .to_owned();
+    turnstile_tests::wait_until(
+        "the delivery to leave the completion pending",
+        Duration::from_secs(20),
+        || async {
+            let text = std::fs::read_to_string(&log)?;
+            Ok(text
+                .contains("a completion whose end the registry does not hold yet")
+                .then_some(()))
+        },
+    )
+    .await?;
+    ensure!(
+        stack.delivery_turns(&s).await?.is_empty(),
+        "handed over before the registry held the end"
+    );
+    end_by_hand(stack, &step.id, "late", at).await?;
+    let delivered = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
+    ensure!(
+        listed_steps(&delivered[0].text) == vec![step.id.to_string()],
+        "{}",
+        delivered[0].text
+    );
+    // One delivery armed for it, which waited for its redelivery: not a delivery after
+    // another finding nothing until the nak's delay ran out.
+    let armed = stack
+        .events()
+        .await?
+        .iter()
+        .filter(|e| e.kind == "delivery.queued" && e.session.as_ref() == Some(&s))
+        .count();
+    ensure!(armed == 1, "{armed} deliveries armed for one completion");
     all_acked(stack, &s).await
 }
 

@@ -66,6 +66,8 @@ fn fresh_marker() -> DeliveryMarker {
 /// The early round trips of one end, once done, and the markers still owed.
 pub(super) struct Early {
     ctx: Arc<Ctx>,
+    /// When the round trips went out, beside the end's write.
+    began: Instant,
     done: HashMap<SessionId, Ahead>,
     owed: Vec<Owed>,
 }
@@ -81,6 +83,7 @@ impl Early {
     /// Makes the round trips for `ending`'s targets; the markers they created are owed from
     /// then on, unless their item went out with them.
     pub(super) async fn run(ctx: &Arc<Ctx>, ending: Ending<'_>) -> Self {
+        let began = Instant::now();
         let done = match &ending {
             Ending::Targets(t) if t.is_empty() => HashMap::new(),
             Ending::Targets(t) => ahead(ctx, t.clone(), None).await,
@@ -101,9 +104,20 @@ impl Early {
             .collect();
         Self {
             ctx: ctx.clone(),
+            began,
             done,
             owed,
         }
+    }
+
+    /// How long ago what was sent ahead went out (with the end's write).
+    pub(super) fn since_sent(&self) -> Duration {
+        self.began.elapsed()
+    }
+
+    /// What was sent ahead for `target` (taken: [`Early::take`] then finds none).
+    pub(super) fn sent(&mut self, target: &SessionId) -> Option<Sent> {
+        self.done.get_mut(target).and_then(|a| a.sent.take())
     }
 
     /// `target`'s results; made now if the early round trips did not cover it.
@@ -165,10 +179,11 @@ async fn ahead(
                 }
                 _ => (created.await, None),
             };
+            let delivery = marker.delivery.as_str();
             match &created {
-                Ok(Some(_)) => ctx.armed.hold(&t, marker.delivery.as_str()),
-                Ok(None) => ctx.armed.found_armed(&t),
-                Err(_) => {}
+                Ok(Some(_)) => ctx.armed.created(&t, delivery),
+                Ok(None) => ctx.armed.lost(&t, delivery),
+                Err(_) => ctx.armed.failed(&t, delivery),
             }
             (
                 t,
@@ -186,8 +201,9 @@ async fn ahead(
     .collect()
 }
 
-/// The completion's store and, unless this replica found the target armed a moment ago, the
-/// lane item of `marker` (its create still on its way) naming the execution and its end.
+/// The completion's store and, if this replica sees the target unarmed and reserves it
+/// ([`super::armed`]), the lane item of `marker` (its create still on its way) naming the
+/// execution and its end.
 async fn send(
     ctx: &Ctx,
     target: &SessionId,
@@ -207,7 +223,7 @@ async fn send(
         (stored, began.elapsed())
     };
     let item = async {
-        if ctx.armed.armed(target) {
+        if !ctx.armed.reserve(target, marker.delivery.as_str()) {
             return None;
         }
         let first = arming::First {

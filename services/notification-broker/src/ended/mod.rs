@@ -296,12 +296,12 @@ async fn route(
     for target in record.targets() {
         let env = completion.envelope(&target)?;
         let began = std::time::Instant::now();
-        let mut a = early.take(&target).await;
-        let sent = a.sent.take();
+        let sent = early.sent(&target);
         let stored_ahead = sent
             .as_ref()
             .filter(|s| s.stored.is_ok())
             .map(|s| s.store_took);
+        let sent_ahead = sent.as_ref().is_some_and(|s| matches!(s.item, Some(Ok(_))));
         let store = async {
             if stored_ahead.is_some() {
                 return Ok(());
@@ -315,6 +315,7 @@ async fn route(
             .await
         };
         let decide = async {
+            let a = early.take(&target).await;
             let created = a.created?.map(|rev| (a.marker, rev));
             let mut published = None;
             // An item that went out ahead beside a create that found a delivery armed.
@@ -342,7 +343,14 @@ async fn route(
         let (stored, decided) = tokio::join!(store, decide);
         let (active, created, published, extra) = decided?;
         stored?;
-        let store_took = stored_ahead.unwrap_or_else(|| began.elapsed());
+        // How long the delivery may have waited for what it names: for an item sent ahead,
+        // since the end's write and the sends beside it went out (its completion, or its end
+        // in the registry, may have come late); otherwise since the store here.
+        let store_took = match (sent_ahead, stored_ahead) {
+            (true, _) => early.since_sent(),
+            (false, Some(took)) => took,
+            (false, None) => began.elapsed(),
+        };
         if !active {
             // Kept on TS_COMPLETION for operators; nothing will hand it over.
             early.paid(&target);

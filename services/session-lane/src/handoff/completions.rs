@@ -8,13 +8,17 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use serde_json::json;
-use turnstile_shared::delivery::{self, Completion, DeliveryItem, COMPLETION_KIND, DELIVERY_CAP};
+use turnstile_shared::delivery::{
+    self, Completion, DeliveryItem, DeliveryMarker, COMPLETION_KIND, DELIVERY_CAP,
+};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::ExecutionRecord;
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::records::{Carried, SessionRecord, TurnRecord, TurnState};
-use turnstile_shared::{arming, deadletter, subjects, topology, ExecutionId, SessionId};
+use turnstile_shared::{
+    arming, deadletter, subjects, topology, DeliveryId, ExecutionId, SessionId,
+};
 
 use crate::ctx::Ctx;
 
@@ -91,9 +95,11 @@ pub(crate) struct Taken {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Expected<'a> {
     pub execution: &'a ExecutionId,
-    /// When the end that armed the item ended: set for an item armed beside that end's
-    /// registry write (`DeliveryItem::first_ended_at`).
+    /// When the end that armed the item ended: set for an item sent ahead of that end's
+    /// registry write and of its marker's create (`DeliveryItem::first_ended_at`).
     pub ended_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// The item's delivery.
+    pub delivery: &'a DeliveryId,
 }
 
 impl<'a> Expected<'a> {
@@ -101,15 +107,22 @@ impl<'a> Expected<'a> {
         item.first.as_ref().map(|execution| Self {
             execution,
             ended_at: item.first_ended_at,
+            delivery: &item.delivery,
         })
     }
 
     /// Whether this delivery has a completion to wait for, when its fetch did not find it:
-    /// not if this replica collected it lately (an extra delivery, after the one that was
-    /// armed for it), nor if the registry holds another end than the one the item was sent
-    /// ahead for (that end routed its own).
-    fn awaited(&self, collected: bool, registry: Option<&Result<Completion, Refusal>>) -> bool {
-        if collected {
+    /// not if it is an extra one (sent ahead, its marker's create found another delivery
+    /// armed: `extra`), nor if this replica collected it lately (handed over already), nor if
+    /// the registry holds another end than the one the item was sent ahead for (that end
+    /// routed its own).
+    fn awaited(
+        &self,
+        extra: bool,
+        collected: bool,
+        registry: Option<&Result<Completion, Refusal>>,
+    ) -> bool {
+        if extra || collected {
             return false;
         }
         match (self.ended_at, registry) {
@@ -118,12 +131,15 @@ impl<'a> Expected<'a> {
         }
     }
 
-    /// Whether a completion not ended in the registry yet is worth waiting for: the one that
-    /// armed this item beside its end's write, which the registry has not taken yet.
-    fn ends_soon(&self, execution: &ExecutionId) -> bool {
-        self.ended_at.is_some() && self.execution == execution
+    /// Whether its marker is read beside the fetch: an item sent ahead may be an extra one.
+    fn sent_ahead(&self) -> bool {
+        self.ended_at.is_some()
     }
 }
+
+/// How many times a completion whose end the registry does not hold yet is left pending with
+/// the next delivery armed for it; past that, a new end routed for it arms one.
+const LEFT_TRIES: i64 = 5;
 
 /// Like [`collect`], with the registry check of `expected` (the execution whose completion
 /// armed the delivery) run beside the fetch: the common delivery of one completion then
@@ -139,12 +155,26 @@ pub(crate) async fn collect_expecting(
             None => None,
         }
     };
-    let (fetched, mut early) = tokio::join!(fetch(ctx, session), early);
+    // An item sent ahead names its delivery: is that the session's armed one?
+    let extra = async {
+        match expected.filter(|e| e.sent_ahead()) {
+            Some(e) => ctx
+                .buckets
+                .deliveries
+                .get::<DeliveryMarker>(session.id.as_str())
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|(m, _)| m.delivery != *e.delivery),
+            None => false,
+        }
+    };
+    let (fetched, mut early, extra) = tokio::join!(fetch(ctx, session), early, extra);
     let mut fetched = fetched?;
     let mut unseen = None;
     if let Some(first) = expected {
         let collected = ctx.collected.knows(first.execution);
-        if first.awaited(collected, early.as_ref().map(|(_, v)| v))
+        if first.awaited(extra, collected, early.as_ref().map(|(_, v)| v))
             && !fetched
                 .iter()
                 .any(|f| f.completion.execution == *first.execution)
@@ -165,22 +195,23 @@ pub(crate) async fn collect_expecting(
                 Some(Err(Refusal::NotEnded)) | None => check(ctx, &session.id, execution).await,
                 Some(v) => v,
             };
+            // Stored beside its end's registry write, which lands a moment later.
             match verdict {
-                Err(Refusal::NotEnded) if expected.is_some_and(|e| e.ends_soon(execution)) => {
-                    wait_ended(ctx, &session.id, execution).await
-                }
+                Err(Refusal::NotEnded) => wait_ended(ctx, &session.id, execution).await,
                 v => v,
             }
         }
     }))
     .await;
-    let (carried, held) = keep_admitted(ctx, &session.id, fetched, verdicts).await;
+    let (carried, held, left) = keep_admitted(ctx, &session.id, fetched, verdicts).await;
     ctx.collected
         .note(carried.iter().map(|(c, _)| &c.execution));
     Ok(Taken {
         carried,
         held,
-        unseen,
+        // Left pending for its end: the next delivery is armed naming it, so it waits for
+        // its redelivery rather than finding nothing.
+        unseen: unseen.or(left),
     })
 }
 
@@ -285,15 +316,21 @@ async fn wait_for(
 }
 
 /// Keeps what the registry admitted, as the registry has it; the rest is retried later or
-/// refused (dead-lettered).
+/// refused (dead-lettered). Also returns a completion left pending because its end is not
+/// recorded yet, to arm the next delivery for (up to [`LEFT_TRIES`] times).
 async fn keep_admitted(
     ctx: &Ctx,
     session: &SessionId,
     fetched: Vec<Fetched>,
     verdicts: Vec<Result<Completion, Refusal>>,
-) -> (Vec<(Completion, u64)>, Vec<jetstream::Message>) {
+) -> (
+    Vec<(Completion, u64)>,
+    Vec<jetstream::Message>,
+    Option<ExecutionId>,
+) {
     let mut carried = Vec::new();
     let mut held = Vec::new();
+    let mut left = None;
     for (f, verdict) in fetched.into_iter().zip(verdicts) {
         match verdict {
             Ok(completion) => {
@@ -301,11 +338,15 @@ async fn keep_admitted(
                 held.push(f.msg);
             }
             Err(Refusal::NotEnded) => {
+                let tries = f.msg.info().map_or(1, |i| i.delivered);
                 let _ = f
                     .msg
                     .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
                     .await;
-                tracing::info!(%session, execution = %f.completion.execution, "a completion whose end the registry does not hold yet; retried later");
+                tracing::info!(%session, execution = %f.completion.execution, tries, "a completion whose end the registry does not hold yet; retried later");
+                if tries < LEFT_TRIES {
+                    left.get_or_insert(f.completion.execution);
+                }
             }
             Err(Refusal::Retry(e)) => {
                 let _ = f
@@ -317,7 +358,7 @@ async fn keep_admitted(
             Err(Refusal::Reject(reason)) => reject(ctx, session, &f.msg, &reason).await,
         }
     }
-    (carried, held)
+    (carried, held, left)
 }
 
 /// Why a fetched completion is not carried now.
@@ -373,14 +414,19 @@ async fn check(
     }
 }
 
-/// Checks again until the registry holds the end, for up to [`arming::FIRST_WAIT`]: the
-/// completion that armed this delivery was stored beside its end's registry write.
+/// How long a delivery reads a completion's record again for its end ([`wait_ended`]):
+/// well inside a lane item's ack wait, with its fetch.
+const ENDED_WAIT: Duration = Duration::from_secs(1);
+
+/// Checks again until the registry holds the end, for up to [`ENDED_WAIT`]: a completion
+/// sent ahead is stored beside its end's registry write, which may land a moment after it
+/// (or, a conflict re-read first, a few round trips after).
 async fn wait_ended(
     ctx: &Ctx,
     session: &SessionId,
     execution: &ExecutionId,
 ) -> Result<Completion, Refusal> {
-    let deadline = tokio::time::Instant::now() + arming::FIRST_WAIT;
+    let deadline = tokio::time::Instant::now() + ENDED_WAIT;
     let mut pause = Duration::from_millis(1);
     loop {
         tokio::time::sleep(pause).await;
@@ -567,34 +613,41 @@ mod tests {
     #[test]
     fn a_delivery_waits_only_for_a_completion_that_may_still_come() {
         let x: ExecutionId = StepId::new().into();
+        let d = DeliveryId::new();
         let at = chrono::Utc::now();
         let ahead = Expected {
             execution: &x,
             ended_at: Some(at),
+            delivery: &d,
         };
         let ours = Ok(recorded(&x, at));
         let theirs = Ok(recorded(&x, at + chrono::TimeDelta::milliseconds(3)));
         assert!(
-            ahead.awaited(false, Some(&ours)),
+            ahead.awaited(false, false, Some(&ours)),
             "its end recorded: stored soon"
         );
         assert!(
-            ahead.awaited(false, Some(&Err(Refusal::NotEnded))),
+            ahead.awaited(false, false, Some(&Err(Refusal::NotEnded))),
             "its end not recorded yet: both on their way"
         );
         assert!(
-            !ahead.awaited(false, Some(&theirs)),
+            !ahead.awaited(false, false, Some(&theirs)),
             "another end won: that one routed its own completion"
         );
         assert!(
-            !ahead.awaited(true, Some(&ours)),
+            !ahead.awaited(false, true, Some(&ours)),
             "collected lately here: handed over already"
+        );
+        assert!(
+            !ahead.awaited(true, false, Some(&ours)),
+            "an extra delivery: the armed one takes it"
         );
         let armed_after_store = Expected {
             execution: &x,
             ended_at: None,
+            delivery: &d,
         };
-        assert!(armed_after_store.awaited(false, Some(&theirs)));
-        assert!(ahead.ends_soon(&x) && !armed_after_store.ends_soon(&x));
+        assert!(armed_after_store.awaited(false, false, Some(&theirs)));
+        assert!(ahead.sent_ahead() && !armed_after_store.sent_ahead());
     }
 }
