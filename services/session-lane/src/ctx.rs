@@ -63,6 +63,10 @@ pub(crate) struct Ctx {
     pub left_pending: std::sync::Mutex<std::collections::HashSet<turnstile_shared::SessionId>>,
     /// Executions whose completions this replica's lanes collected lately (`handoff`).
     pub collected: crate::handoff::Collected,
+    /// Completions pushed to this replica by the pulls its busy lanes keep out (`handoff`).
+    pub standbys: crate::handoff::Standbys,
+    /// The executions' recent ends, from this replica's watch of the registry.
+    pub ended: crate::ended_view::EndedView,
     /// Lanes setting up (consumer, pull stream) at once: see `lane::serve`.
     pub lane_setup: tokio::sync::Semaphore,
     /// Every lane's pull requests and their replies, on one subscription.

@@ -18,6 +18,7 @@
 
 mod api;
 mod ctx;
+mod ended_view;
 mod handoff;
 mod lane;
 mod liveness;
@@ -115,6 +116,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     // Stops on `shutdown`, or when this replica is fenced.
     let stop = shutdown.child_token();
     let turns = turn_watch::TurnWatch::start(buckets.turns.clone(), stop.child_token());
+    let ended = ended_view::EndedView::start(buckets.executions.clone(), stop.child_token());
     let fenced = CancellationToken::new();
     let pulls = lane::PullHub::start(
         client.clone(),
@@ -143,6 +145,8 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         completions: Default::default(),
         left_pending: Default::default(),
         collected: Default::default(),
+        standbys: Default::default(),
+        ended,
         placement: Default::default(),
         lane_setup: tokio::sync::Semaphore::new(LANE_SETUP_CONCURRENCY),
         pulls,
@@ -175,11 +179,12 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     // replica at once instead of back to a request of this one (and a pin stranded until its
     // TTL). Also what makes an in-process restart (`turnstile dev`, the bench) clean (R13).
     let _ = tokio::time::timeout(config.shutdown_grace, ctx.client.drain()).await;
-    let handback = ctx
+    let mut handback = ctx
         .handback
         .lock()
         .map(|mut h| std::mem::take(&mut *h))
         .unwrap_or_default();
+    handback.items.extend(ctx.standbys.give_back());
     if let Err(e) = tokio::time::timeout(
         config.shutdown_grace,
         hand_back(&config, handback, &ctx.instance),

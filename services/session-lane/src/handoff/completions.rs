@@ -13,13 +13,13 @@ use turnstile_shared::delivery::{
 };
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
-use turnstile_shared::execution::ExecutionRecord;
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::records::{Carried, SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::{
     arming, deadletter, subjects, topology, DeliveryId, ExecutionId, SessionId,
 };
 
+use super::admit::{check_first, check_known, wait_ended, Refusal};
 use crate::ctx::Ctx;
 
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +57,7 @@ pub(crate) async fn disarm_and_recheck(
         return Ok(());
     }
     let consumer = ctx.completion_consumer(session).await?;
-    let pending = consumer
+    let info = consumer
         .clone()
         .info()
         .await
@@ -65,11 +65,22 @@ pub(crate) async fn disarm_and_recheck(
             session: session.clone(),
             source: e.into(),
         })?
-        .num_pending;
-    if pending > 0 {
+        .clone();
+    // What a standby of this lane holds, or was sent, is pending too: its router may have
+    // seen the marker still set.
+    if info.num_pending > 0 || ctx.standbys.owes(session, info.delivered.consumer_sequence) {
         arm(ctx, session, None).await;
     }
     Ok(())
+}
+
+/// Keeps a pull for the session's next completions out for a while (`standby`): opened by a
+/// delivery that carried some, once its marker is cleared.
+pub(crate) async fn keep_standby(ctx: &Ctx, session: &SessionId) {
+    match ctx.completion_consumer(session).await {
+        Ok(consumer) => ctx.standbys.open(consumer, session),
+        Err(e) => tracing::debug!(%session, error = %e, "completion standby not opened"),
+    }
 }
 
 /// Pulls up to the cap of pending completions; refuses those not addressed to a session that
@@ -151,34 +162,25 @@ pub(crate) async fn collect_expecting(
 ) -> Result<Taken, DeliveryError> {
     let early = async {
         match expected {
-            Some(e) => Some((e.execution, check(ctx, &session.id, e.execution).await)),
+            Some(e) => Some((
+                e.execution,
+                check_first(ctx, &session.id, e.execution, e.sent_ahead()).await,
+            )),
             None => None,
         }
     };
-    // An item sent ahead names its delivery: is that the session's armed one?
-    let extra = async {
-        match expected.filter(|e| e.sent_ahead()) {
-            Some(e) => ctx
-                .buckets
-                .deliveries
-                .get::<DeliveryMarker>(session.id.as_str())
-                .await
-                .ok()
-                .flatten()
-                .is_some_and(|(m, _)| m.delivery != *e.delivery),
-            None => false,
-        }
-    };
-    let (fetched, mut early, extra) = tokio::join!(fetch(ctx, session), early, extra);
+    let (fetched, mut early) = tokio::join!(fetch(ctx, session), early);
     let mut fetched = fetched?;
     let mut unseen = None;
-    if let Some(first) = expected {
+    if let Some(first) = expected.filter(|e| {
+        !fetched
+            .iter()
+            .any(|f| f.completion.execution == *e.execution)
+    }) {
         let collected = ctx.collected.knows(first.execution);
-        if first.awaited(extra, collected, early.as_ref().map(|(_, v)| v))
-            && !fetched
-                .iter()
-                .any(|f| f.completion.execution == *first.execution)
-            && wait_for(ctx, session, first.execution, &mut fetched).await? == Waited::AtCap
+        // An item sent ahead may also be an extra one: `wait_for` reads its marker meanwhile.
+        if first.awaited(false, collected, early.as_ref().map(|(_, v)| v))
+            && wait_for(ctx, session, first, &mut fetched).await? == Waited::AtCap
         {
             unseen = Some(first.execution.clone());
         }
@@ -192,7 +194,9 @@ pub(crate) async fn collect_expecting(
             // Read again if the end was not recorded when it was first read (the completion
             // may have been waited for since).
             let verdict = match known {
-                Some(Err(Refusal::NotEnded)) | None => check(ctx, &session.id, execution).await,
+                Some(Err(Refusal::NotEnded)) | None => {
+                    check_known(ctx, &session.id, execution).await
+                }
                 Some(v) => v,
             };
             // Stored beside its end's registry write, which lands a moment later.
@@ -215,6 +219,18 @@ pub(crate) async fn collect_expecting(
     })
 }
 
+/// Whether the session's armed delivery is another than the one `first`'s item names (an
+/// item sent ahead whose marker's create found one armed).
+async fn extra(ctx: &Ctx, session: &SessionId, first: Expected<'_>) -> bool {
+    ctx.buckets
+        .deliveries
+        .get::<DeliveryMarker>(session.as_str())
+        .await
+        .ok()
+        .flatten()
+        .is_some_and(|(m, _)| m.delivery != *first.delivery)
+}
+
 /// A pending completion pulled for a turn: its message, its stream sequence and what it
 /// says.
 struct Fetched {
@@ -223,10 +239,20 @@ struct Fetched {
     completion: Completion,
 }
 
-/// Pulls up to the cap of pending completions. Those that are not completions for this
-/// session (undecodable, another kind, another session's) are refused here (R8); the rest
-/// still need their registry [`check`].
+/// Pulls up to the cap of pending completions: what this lane's standby holds, and, unless
+/// it is still out, a fetch. Those that are not completions for this session (undecodable,
+/// another kind, another session's) are refused here (R8); the rest still need their
+/// registry [`check`].
 async fn fetch(ctx: &Ctx, session: &SessionRecord) -> Result<Vec<Fetched>, DeliveryError> {
+    let mut fetched = Vec::new();
+    if let Some(held) = ctx.standbys.take(&session.id).await {
+        for msg in held.messages {
+            take_in(ctx, &session.id, msg, &mut fetched).await;
+        }
+        if held.open {
+            return Ok(fetched);
+        }
+    }
     let consumer = ctx.completion_consumer(&session.id).await?;
     let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
         session: session.id.clone(),
@@ -234,24 +260,41 @@ async fn fetch(ctx: &Ctx, session: &SessionRecord) -> Result<Vec<Fetched>, Deliv
     };
     let mut batch = consumer
         .fetch()
-        .max_messages(DELIVERY_CAP)
+        .max_messages(DELIVERY_CAP.saturating_sub(fetched.len()).max(1))
         .messages()
         .await
         .map_err(|e| fetch_err(e.into()))?;
-    let mut fetched = Vec::new();
     while let Some(m) = batch.next().await {
         let msg = m.map_err(&fetch_err)?;
-        let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
-        match decode(&session.id, &msg) {
-            Ok(completion) => fetched.push(Fetched {
+        take_in(ctx, &session.id, msg, &mut fetched).await;
+    }
+    Ok(fetched)
+}
+
+/// Adds a pulled message to what a delivery took, or refuses it (R8). A redelivery of one
+/// taken already replaces it (its earlier delivery's ack would be void).
+async fn take_in(
+    ctx: &Ctx,
+    session: &SessionId,
+    msg: jetstream::Message,
+    fetched: &mut Vec<Fetched>,
+) {
+    let (seq, delivered) = msg
+        .info()
+        .map(|i| (i.stream_sequence, i.consumer_sequence))
+        .unwrap_or_default();
+    ctx.standbys.seen(session, delivered);
+    match decode(session, &msg) {
+        Ok(completion) => {
+            fetched.retain(|f| f.seq != seq);
+            fetched.push(Fetched {
                 msg,
                 seq,
                 completion,
-            }),
-            Err(reason) => reject(ctx, &session.id, &msg, &reason).await,
+            });
         }
+        Err(reason) => reject(ctx, session, &msg, &reason).await,
     }
-    Ok(fetched)
 }
 
 /// How a wait for the completion that armed a delivery ended.
@@ -262,28 +305,73 @@ enum Waited {
     AtCap,
     /// Not stored within [`arming::FIRST_WAIT`]: its router, that late, arms again.
     GaveUp,
+    /// The item is an extra delivery (sent ahead, its marker's create found another armed):
+    /// the armed one takes it.
+    Extra,
 }
 
 /// The completion that armed this delivery was not pending yet: its router publishes the
 /// item beside the completion's store, so the item can overtake it. Waits for it (taking
 /// whatever else arrives meanwhile) up to [`arming::FIRST_WAIT`], or until the delivery is
-/// full.
+/// full: from the lane's standby while it is out (the server pushes the completion to it as
+/// it stores it), else by pulls. For an item sent ahead, its marker is read meanwhile: an
+/// extra delivery waits for nothing.
 async fn wait_for(
     ctx: &Ctx,
     session: &SessionRecord,
-    first: &ExecutionId,
+    first: Expected<'_>,
     fetched: &mut Vec<Fetched>,
 ) -> Result<Waited, DeliveryError> {
+    let execution = first.execution;
+    let found = |fetched: &[Fetched]| fetched.iter().any(|f| f.completion.execution == *execution);
+    let deadline = tokio::time::Instant::now() + arming::FIRST_WAIT;
+    let is_extra = async { first.sent_ahead() && extra(ctx, &session.id, first).await };
+    tokio::pin!(is_extra);
+    let mut extra_known = false;
+    while fetched.len() < DELIVERY_CAP {
+        let arrival = ctx.standbys.arrival(&session.id, deadline);
+        let open = if extra_known {
+            arrival.await
+        } else {
+            tokio::select! {
+                biased;
+                extra = &mut is_extra => {
+                    if extra {
+                        return Ok(Waited::Extra);
+                    }
+                    extra_known = true;
+                    continue;
+                }
+                open = arrival => open,
+            }
+        };
+        if !open {
+            break;
+        }
+        if let Some(held) = ctx.standbys.take(&session.id).await {
+            for msg in held.messages {
+                take_in(ctx, &session.id, msg, fetched).await;
+            }
+        }
+        if found(fetched) {
+            return Ok(Waited::Found);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(Waited::GaveUp);
+        }
+    }
+    if !extra_known && is_extra.await {
+        return Ok(Waited::Extra);
+    }
     let consumer = ctx.completion_consumer(&session.id).await?;
     let fetch_err = |e: async_nats::Error| DeliveryError::Fetch {
         session: session.id.clone(),
         source: e,
     };
-    let deadline = tokio::time::Instant::now() + arming::FIRST_WAIT;
     while fetched.len() < DELIVERY_CAP {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if left < std::time::Duration::from_millis(1) {
-            tracing::info!(session = %session.id, execution = %first, "the completion that armed this delivery did not arrive; delivering without it");
+            tracing::info!(session = %session.id, %execution, "the completion that armed this delivery did not arrive; delivering without it");
             return Ok(Waited::GaveUp);
         }
         let mut batch = consumer
@@ -295,20 +383,9 @@ async fn wait_for(
             .map_err(|e| fetch_err(e.into()))?;
         while let Some(m) = batch.next().await {
             let msg = m.map_err(&fetch_err)?;
-            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
-            match decode(&session.id, &msg) {
-                Ok(completion) => {
-                    let found = completion.execution == *first;
-                    fetched.push(Fetched {
-                        msg,
-                        seq,
-                        completion,
-                    });
-                    if found {
-                        return Ok(Waited::Found);
-                    }
-                }
-                Err(reason) => reject(ctx, &session.id, &msg, &reason).await,
+            take_in(ctx, &session.id, msg, fetched).await;
+            if found(fetched) {
+                return Ok(Waited::Found);
             }
         }
     }
@@ -361,15 +438,6 @@ async fn keep_admitted(
     (carried, held, left)
 }
 
-/// Why a fetched completion is not carried now.
-enum Refusal {
-    Retry(turnstile_shared::kv::KvError),
-    /// The registry does not hold its execution's end yet: its router stores the completion
-    /// beside the end's write, which may land a moment later (or fail, and be redone).
-    NotEnded,
-    Reject(String),
-}
-
 /// A completion message addressed to this session, or why it is not one.
 fn decode(session: &SessionId, m: &jetstream::Message) -> Result<Completion, String> {
     let env = Envelope::decode(&m.payload).map_err(|e| e.to_string())?;
@@ -382,61 +450,6 @@ fn decode(session: &SessionId, m: &jetstream::Message) -> Result<Completion, Str
         ));
     }
     env.data_as().map_err(|e| e.to_string())
-}
-
-/// A completion is handed over only to its owner or a registered watcher (R8), and only
-/// once the registry holds its execution's end: what the agent is told is the end recorded
-/// there (R12), whatever the message says.
-async fn check(
-    ctx: &Ctx,
-    session: &SessionId,
-    execution: &ExecutionId,
-) -> Result<Completion, Refusal> {
-    let record = ctx
-        .buckets
-        .executions
-        .get::<ExecutionRecord>(execution.as_str())
-        .await
-        .map_err(Refusal::Retry)?;
-    match record {
-        Some((r, _)) if r.may_receive(session) && r.status.is_terminal() => Ok(Completion::of(&r)),
-        Some((r, _)) if r.may_receive(session) => Err(Refusal::NotEnded),
-        Some((r, _)) => Err(Refusal::Reject(format!(
-            "execution {} belongs to {}; session {session} neither owns nor watches it",
-            r.id,
-            r.owner
-                .as_ref()
-                .map_or("no owner".to_string(), |o| o.to_string())
-        ))),
-        None => Err(Refusal::Reject(format!(
-            "no execution {execution} in the registry"
-        ))),
-    }
-}
-
-/// How long a delivery reads a completion's record again for its end ([`wait_ended`]):
-/// well inside a lane item's ack wait, with its fetch.
-const ENDED_WAIT: Duration = Duration::from_secs(1);
-
-/// Checks again until the registry holds the end, for up to [`ENDED_WAIT`]: a completion
-/// sent ahead is stored beside its end's registry write, which may land a moment after it
-/// (or, a conflict re-read first, a few round trips after).
-async fn wait_ended(
-    ctx: &Ctx,
-    session: &SessionId,
-    execution: &ExecutionId,
-) -> Result<Completion, Refusal> {
-    let deadline = tokio::time::Instant::now() + ENDED_WAIT;
-    let mut pause = Duration::from_millis(1);
-    loop {
-        tokio::time::sleep(pause).await;
-        match check(ctx, session, execution).await {
-            Err(Refusal::NotEnded) if tokio::time::Instant::now() < deadline => {
-                pause = (pause * 2).min(Duration::from_millis(100));
-            }
-            v => return v,
-        }
-    }
 }
 
 /// R8 refusal: dead-lettered with the reason and recorded as `completion.rejected`.

@@ -14,8 +14,8 @@ use turnstile_shared::TurnId;
 
 use crate::ctx::Ctx;
 use crate::handoff::{
-    acked, collect_expecting, disarm_and_recheck, dispatch, finish, release, settle, wait_terminal,
-    DeliveryError, Expected, Watch,
+    acked, collect_expecting, disarm_and_recheck, dispatch, finish, keep_standby, release, settle,
+    wait_terminal, DeliveryError, Expected, Watch,
 };
 use turnstile_shared::metrics::item_kind;
 
@@ -108,6 +108,8 @@ pub(super) async fn run_delivery(
         if let Err(e) = disarm_and_recheck(ctx, &session.id, &item, unseen.as_ref()).await {
             tracing::warn!(session = %session.id, delivery = %item.delivery, error = %e, "clear delivery marker; a stale marker is re-armed by the next completion");
         }
+        // More are likely on their way: they are pushed to this replica as they are stored.
+        keep_standby(ctx, &session.id).await;
         let watch = Watch {
             host: &session.host,
             turn: &turn_id,

@@ -1,0 +1,223 @@
+//! A lane that just handed completions over keeps a pull for its session's next ones out for
+//! a while ([`STANDBY_FOR`]): a session whose turns start work gets its completions one after
+//! another, and each would otherwise cost its delivery a fetch (a round trip) after its item
+//! arrived. With a standby out, the server pushes a completion to this replica as it stores
+//! it, beside its delivery item, and the delivery takes it from here.
+//!
+//! What a standby received is this replica's (ack-pending) until a delivery takes it, so:
+//! - a delivery that finds its standby open takes everything in it and fetches nothing (every
+//!   completion stored since it opened was pushed to it; those before, at its opening); one
+//!   that finds it closed (expired, or full at the cap) takes what it holds and fetches too;
+//! - a delivery's recheck after clearing its marker counts what the standby holds, and what
+//!   the server delivered that has not arrived yet ([`Standbys::owes`]), as pending: a
+//!   completion stored while the marker was still set arms no delivery of its own (R3);
+//! - what waited longer than [`STALE`] (a long turn held the lane) is given back (nak) and
+//!   fetched again, before its ack wait lapses;
+//! - at shutdown, what is held is given back with the lanes.
+//!
+//! Idle sessions hold none: a standby is opened only by a delivery that carried something,
+//! and is not renewed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::{self, AckKind};
+use futures::StreamExt;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use turnstile_shared::delivery::DELIVERY_CAP;
+use turnstile_shared::SessionId;
+
+/// How long a standby pull stays out after the delivery that opened it.
+pub(crate) const STANDBY_FOR: Duration = Duration::from_secs(5);
+/// How long a message may wait in a standby before it is given back rather than carried (a
+/// third of the default 30 s ack wait).
+const STALE: Duration = Duration::from_secs(10);
+/// Standbys kept before closed, empty ones are swept.
+const SWEEP_ABOVE: usize = 1024;
+
+#[derive(Default)]
+struct State {
+    held: Vec<(Instant, jetstream::Message)>,
+    open: bool,
+    /// The highest consumer sequence of a delivery this replica received for the session.
+    seen: u64,
+    /// When it last changed: a closed standby that holds nothing is swept [`STALE`] after.
+    touched: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Standby {
+    state: Mutex<State>,
+    arrived: Notify,
+}
+
+/// What a delivery found in its session's standby.
+pub(crate) struct Held {
+    pub messages: Vec<jetstream::Message>,
+    /// Still out: every completion stored from now on is pushed to it.
+    pub open: bool,
+}
+
+/// Every session's standby on this replica.
+#[derive(Default)]
+pub(crate) struct Standbys {
+    map: Mutex<HashMap<SessionId, Arc<Standby>>>,
+}
+
+impl Standbys {
+    /// Opens a standby for `session` unless one is open.
+    pub(crate) fn open(&self, consumer: PullConsumer, session: &SessionId) {
+        let standby = {
+            let Ok(mut map) = self.map.lock() else { return };
+            if map.len() > SWEEP_ABOVE {
+                sweep(&mut map);
+            }
+            let standby = map.entry(session.clone()).or_default().clone();
+            let Ok(mut s) = standby.state.lock() else {
+                return;
+            };
+            if s.open {
+                return;
+            }
+            s.open = true;
+            s.touched = Some(Instant::now());
+            drop(s);
+            standby
+        };
+        let session = session.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve(&standby, consumer).await {
+                tracing::debug!(%session, error = %e, "completion standby closed");
+            }
+            if let Ok(mut s) = standby.state.lock() {
+                s.open = false;
+                s.touched = Some(Instant::now());
+            }
+            standby.arrived.notify_waiters();
+        });
+    }
+
+    fn get(&self, session: &SessionId) -> Option<Arc<Standby>> {
+        self.map.lock().ok()?.get(session).cloned()
+    }
+
+    /// Takes what `session`'s standby holds. Anything that waited past [`STALE`] is given
+    /// back instead (and then reported closed, so the caller fetches it again).
+    pub(crate) async fn take(&self, session: &SessionId) -> Option<Held> {
+        let standby = self.get(session)?;
+        let (held, open) = {
+            let mut s = standby.state.lock().ok()?;
+            (std::mem::take(&mut s.held), s.open)
+        };
+        let mut messages = Vec::with_capacity(held.len());
+        let mut gave_back = false;
+        for (at, m) in held {
+            if at.elapsed() > STALE {
+                let _ = m.ack_with(AckKind::Nak(None)).await;
+                gave_back = true;
+            } else {
+                messages.push(m);
+            }
+        }
+        Some(Held {
+            messages,
+            open: open && !gave_back,
+        })
+    }
+
+    /// Waits until something arrives in `session`'s standby, it closes, or `deadline`;
+    /// returns whether it is still open.
+    pub(crate) async fn arrival(&self, session: &SessionId, deadline: Instant) -> bool {
+        let Some(standby) = self.get(session) else {
+            return false;
+        };
+        let arrived = standby.arrived.notified();
+        tokio::pin!(arrived);
+        arrived.as_mut().enable();
+        let ready = standby
+            .state
+            .lock()
+            .map(|s| (s.open, !s.held.is_empty()))
+            .unwrap_or((false, false));
+        match ready {
+            (false, _) => return false,
+            (true, true) => return true,
+            (true, false) => {}
+        }
+        let _ = tokio::time::timeout_at(deadline, arrived).await;
+        standby.state.lock().is_ok_and(|s| s.open)
+    }
+
+    /// Notes a delivery this replica received by a fetch (its consumer sequence): a standby
+    /// opened later owes only what was delivered after it.
+    pub(crate) fn seen(&self, session: &SessionId, consumer_seq: u64) {
+        let Ok(mut map) = self.map.lock() else { return };
+        let standby = map.entry(session.clone()).or_default();
+        if let Ok(mut s) = standby.state.lock() {
+            s.seen = s.seen.max(consumer_seq);
+            s.touched = Some(Instant::now());
+        };
+    }
+
+    /// Whether `session`'s standby holds completions, or the server delivered one to it that
+    /// has not arrived yet (`delivered`: the consumer's last delivered sequence).
+    pub(crate) fn owes(&self, session: &SessionId, delivered: u64) -> bool {
+        self.get(session)
+            .and_then(|standby| {
+                standby
+                    .state
+                    .lock()
+                    .ok()
+                    .map(|s| !s.held.is_empty() || (s.open && delivered > s.seen))
+            })
+            .unwrap_or(false)
+    }
+
+    /// The ack subjects of everything held, taken (to give back at shutdown).
+    pub(crate) fn give_back(&self) -> Vec<String> {
+        let Ok(map) = self.map.lock() else {
+            return Vec::new();
+        };
+        map.values()
+            .filter_map(|standby| standby.state.lock().ok())
+            .flat_map(|mut s| std::mem::take(&mut s.held))
+            .filter_map(|(_, m)| m.reply.as_ref().map(|r| r.to_string()))
+            .collect()
+    }
+}
+
+/// Receives the standby pull's messages until it expires or is full.
+async fn serve(standby: &Standby, consumer: PullConsumer) -> Result<(), async_nats::Error> {
+    let mut batch = consumer
+        .batch()
+        .max_messages(DELIVERY_CAP)
+        .expires(STANDBY_FOR)
+        .messages()
+        .await?;
+    while let Some(m) = batch.next().await {
+        let m = m?;
+        let seq = m.info().map(|i| i.consumer_sequence).unwrap_or_default();
+        if let Ok(mut s) = standby.state.lock() {
+            s.seen = s.seen.max(seq);
+            s.touched = Some(Instant::now());
+            s.held.push((Instant::now(), m));
+        }
+        standby.arrived.notify_waiters();
+    }
+    Ok(())
+}
+
+/// Forgets closed standbys untouched for [`STALE`] that hold nothing fresh (what they
+/// still hold comes back when its ack wait lapses: a stopped session's, typically).
+fn sweep(map: &mut HashMap<SessionId, Arc<Standby>>) {
+    map.retain(|_, standby| {
+        standby.state.lock().is_ok_and(|s| {
+            s.open
+                || s.touched.is_some_and(|at| at.elapsed() < STALE)
+                || s.held.iter().any(|(at, _)| at.elapsed() < STALE)
+        })
+    });
+}
