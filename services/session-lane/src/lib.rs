@@ -145,7 +145,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         completions: Default::default(),
         left_pending: Default::default(),
         collected: Default::default(),
-        standbys: Default::default(),
+        standbys: handoff::Standbys::new(config.topology.lane_ack_wait),
         ended,
         placement: Default::default(),
         lane_setup: tokio::sync::Semaphore::new(LANE_SETUP_CONCURRENCY),

@@ -1500,3 +1500,115 @@ async fn unread_end(stack: &mut Stack) -> Result<()> {
     ensure!(!text.contains("finished anyway"), "{text}");
     Ok(())
 }
+
+/// A lane that handed a completion over keeps a pull out for the session's next ones (its
+/// standby): a completion stored meanwhile is pushed to that replica. What the standby holds
+/// when the replica stops is given back with its lanes, so the next replica hands it over at
+/// once, not after the ack wait (60 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_held_by_a_stopping_lanes_standby_is_handed_over_at_once() -> Result<()> {
+    let mut stack =
+        Stack::start_with(&["a"], &["h1"], &[("TURNSTILE_LANE_ACK_WAIT", "60s")]).await?;
+    let r = standby_given_back(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn standby_given_back(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::delivery::Completion;
+    use turnstile_shared::execution::Scope;
+    use turnstile_shared::step_api::{StartStep, StepKind};
+    use turnstile_shared::{arming, subjects};
+    let s = stack.create_session("standby", None).await?;
+    let holder = stack.send(&s, "hold the lane\n!sleep 2s").await?;
+    stack.wait_running(&holder).await?;
+    let mut steps = Vec::new();
+    for name in ["first", "second"] {
+        let step = stack
+            .start_step(&StartStep {
+                caller: stack.caller(&s).await?,
+                name: name.into(),
+                scope: Scope::Run,
+                work: StepKind::External {
+                    queue: "nobody".into(),
+                    input: serde_json::Value::Null,
+                },
+                id: None,
+            })
+            .await?;
+        steps.push(step.id);
+    }
+    stack.all_complete(&[holder]).await?;
+    stack.wait_idle(&s).await?;
+    let js = stack.js_as("notification-broker").await?;
+    let store = |id: ExecutionId, record| {
+        let js = js.clone();
+        let s = s.clone();
+        async move {
+            turnstile_shared::events::publish_durable(
+                &js,
+                subjects::completion(&s, &id),
+                &Completion::of(&record).envelope(&s)?,
+                None,
+            )
+            .await?;
+            anyhow::Ok(())
+        }
+    };
+    // The first step's end, routed by hand: its delivery opens the lane's standby.
+    let (marker, rev) = claim_by_hand(&js, &s).await?;
+    let first = end_by_hand(stack, &steps[0], "first done", chrono::Utc::now()).await?;
+    store(steps[0].clone(), first).await?;
+    arming::publish_item(&js, &s, &marker, rev, Some(&steps[0])).await?;
+    let done = stack
+        .wait_turn(&marker.delivery.turn(), Duration::from_secs(20))
+        .await?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
+    all_acked(stack, &s).await?;
+    // The second ends while a delivery is armed (claimed by hand, its item not out yet): its
+    // completion is pushed to the standby, which holds it unacked.
+    let (marker, rev) = claim_by_hand(&js, &s).await?;
+    let second = end_by_hand(stack, &steps[1], "second done", chrono::Utc::now()).await?;
+    store(steps[1].clone(), second).await?;
+    let completions = stack.js.get_stream(subjects::COMPLETION_STREAM).await?;
+    turnstile_tests::wait_until(
+        "the second completion pushed to the lane's standby",
+        Duration::from_secs(3),
+        || async {
+            let info = completions
+                .consumer_info(subjects::completion_consumer(&s))
+                .await?;
+            Ok((info.num_pending == 0 && info.num_ack_pending == 1).then_some(()))
+        },
+    )
+    .await?;
+    // The replica stops (SIGTERM); another serves the lane and runs the armed delivery.
+    let lane = stack.lanes.get_mut("a").context("lane a")?;
+    crate::stack::signal(
+        lane.pid().context("lane pid")?,
+        rustix::process::Signal::TERM,
+    )?;
+    lane.wait_exit(Duration::from_secs(20)).await?;
+    stack.spawn_lane("b")?;
+    stack.wait_serving(true).await?;
+    arming::publish_item(&js, &s, &marker, rev, None).await?;
+    let done = stack
+        .wait_turn(&marker.delivery.turn(), Duration::from_secs(15))
+        .await
+        .context("the held completion handed over by the next replica within 15 s")?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "{:?}",
+        done.state
+    );
+    let carried: Vec<_> = done
+        .delivery
+        .iter()
+        .flat_map(|d| d.completions.iter().map(|c| c.execution.clone()))
+        .collect();
+    ensure!(carried == vec![steps[1].clone()], "carried {carried:?}");
+    all_acked(stack, &s).await
+}

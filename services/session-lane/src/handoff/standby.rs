@@ -11,8 +11,8 @@
 //! - a delivery's recheck after clearing its marker counts what the standby holds, and what
 //!   the server delivered that has not arrived yet ([`Standbys::owes`]), as pending: a
 //!   completion stored while the marker was still set arms no delivery of its own (R3);
-//! - what waited longer than [`STALE`] (a long turn held the lane) is given back (nak) and
-//!   fetched again, before its ack wait lapses;
+//! - what waited longer than a third of the ack wait (a long turn held the lane) is given
+//!   back (nak) and fetched again, before the server would send it again;
 //! - at shutdown, what is held is given back with the lanes.
 //!
 //! Idle sessions hold none: a standby is opened only by a delivery that carried something,
@@ -32,9 +32,9 @@ use turnstile_shared::SessionId;
 
 /// How long a standby pull stays out after the delivery that opened it.
 pub(crate) const STANDBY_FOR: Duration = Duration::from_secs(5);
-/// How long a message may wait in a standby before it is given back rather than carried (a
-/// third of the default 30 s ack wait).
-const STALE: Duration = Duration::from_secs(10);
+/// What share of the lanes' ack wait a message may wait in a standby before it is given back
+/// rather than carried ([`Standbys::new`]): well before the server would send it again.
+const STALE_SHARE: u32 = 3;
 /// Standbys kept before closed, empty ones are swept.
 const SWEEP_ABOVE: usize = 1024;
 
@@ -44,7 +44,7 @@ struct State {
     open: bool,
     /// The highest consumer sequence of a delivery this replica received for the session.
     seen: u64,
-    /// When it last changed: a closed standby that holds nothing is swept [`STALE`] after.
+    /// When it last changed: a closed standby that holds nothing fresh is swept a while after.
     touched: Option<Instant>,
 }
 
@@ -62,18 +62,27 @@ pub(crate) struct Held {
 }
 
 /// Every session's standby on this replica.
-#[derive(Default)]
 pub(crate) struct Standbys {
     map: Mutex<HashMap<SessionId, Arc<Standby>>>,
+    /// How long a message may wait in a standby (a third of the ack wait).
+    stale: Duration,
 }
 
 impl Standbys {
+    /// For completion consumers whose ack wait is `ack_wait`.
+    pub(crate) fn new(ack_wait: Duration) -> Self {
+        Self {
+            map: Mutex::default(),
+            stale: ack_wait / STALE_SHARE,
+        }
+    }
+
     /// Opens a standby for `session` unless one is open.
     pub(crate) fn open(&self, consumer: PullConsumer, session: &SessionId) {
         let standby = {
             let Ok(mut map) = self.map.lock() else { return };
             if map.len() > SWEEP_ABOVE {
-                sweep(&mut map);
+                sweep(&mut map, self.stale);
             }
             let standby = map.entry(session.clone()).or_default().clone();
             let Ok(mut s) = standby.state.lock() else {
@@ -104,8 +113,8 @@ impl Standbys {
         self.map.lock().ok()?.get(session).cloned()
     }
 
-    /// Takes what `session`'s standby holds. Anything that waited past [`STALE`] is given
-    /// back instead (and then reported closed, so the caller fetches it again).
+    /// Takes what `session`'s standby holds. Anything that waited past a third of the ack
+    /// wait is given back instead (and then reported closed, so the caller fetches it again).
     pub(crate) async fn take(&self, session: &SessionId) -> Option<Held> {
         let standby = self.get(session)?;
         let (held, open) = {
@@ -115,7 +124,7 @@ impl Standbys {
         let mut messages = Vec::with_capacity(held.len());
         let mut gave_back = false;
         for (at, m) in held {
-            if at.elapsed() > STALE {
+            if at.elapsed() > self.stale {
                 let _ = m.ack_with(AckKind::Nak(None)).await;
                 gave_back = true;
             } else {
@@ -210,14 +219,67 @@ async fn serve(standby: &Standby, consumer: PullConsumer) -> Result<(), async_na
     Ok(())
 }
 
-/// Forgets closed standbys untouched for [`STALE`] that hold nothing fresh (what they
+/// Forgets closed standbys untouched for `stale` that hold nothing fresh (what they
 /// still hold comes back when its ack wait lapses: a stopped session's, typically).
-fn sweep(map: &mut HashMap<SessionId, Arc<Standby>>) {
+fn sweep(map: &mut HashMap<SessionId, Arc<Standby>>, stale: Duration) {
     map.retain(|_, standby| {
         standby.state.lock().is_ok_and(|s| {
             s.open
-                || s.touched.is_some_and(|at| at.elapsed() < STALE)
-                || s.held.iter().any(|(at, _)| at.elapsed() < STALE)
+                || s.touched.is_some_and(|at| at.elapsed() < stale)
+                || s.held.iter().any(|(at, _)| at.elapsed() < stale)
         })
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_state(standbys: &Standbys, session: &SessionId, state: State) {
+        let standby = Arc::new(Standby {
+            state: Mutex::new(state),
+            arrived: Notify::new(),
+        });
+        if let Ok(mut map) = standbys.map.lock() {
+            map.insert(session.clone(), standby);
+        }
+    }
+
+    #[test]
+    fn a_standby_owes_what_the_server_sent_it_only_while_it_is_out() {
+        let standbys = Standbys::new(Duration::from_secs(30));
+        let s = SessionId::new();
+        assert!(!standbys.owes(&s, 7), "no standby: nothing owed");
+        standbys.seen(&s, 7);
+        assert!(!standbys.owes(&s, 7), "closed, holding nothing");
+        with_state(
+            &standbys,
+            &s,
+            State {
+                open: true,
+                seen: 7,
+                ..State::default()
+            },
+        );
+        assert!(!standbys.owes(&s, 7), "everything delivered arrived");
+        assert!(
+            standbys.owes(&s, 8),
+            "delivered to it, not arrived yet: pending (its router saw the marker)"
+        );
+        standbys.seen(&s, 8);
+        assert!(!standbys.owes(&s, 8));
+        with_state(
+            &standbys,
+            &s,
+            State {
+                open: false,
+                seen: 7,
+                ..State::default()
+            },
+        );
+        assert!(
+            !standbys.owes(&s, 8),
+            "closed: a later delivery went to a fetch, not to it"
+        );
+    }
 }
