@@ -7,22 +7,24 @@
 //!   R14);
 //! - `completions`: collect, check (R8) and settle (R3) the completions a turn carries, and
 //!   the delivery marker's clearing and re-arming; `admit`: the R8 check of each; `collected`: what was collected lately;
-//!   `standby`: the pull a busy lane keeps out for its next completions;
+//!   `standby`: the pull a busy lane keeps out for its next completions; `rearm`: arming
+//!   a delivery from the lane;
 //! - `reconnect`: a reply lost with a reconnect is not waited out.
 
 mod admit;
 mod collected;
 mod completions;
 mod item;
+mod rearm;
 mod reconnect;
 mod standby;
 mod turn;
 
 pub(crate) use collected::Collected;
 pub(crate) use completions::{
-    collect, collect_expecting, disarm_and_recheck, keep_standby, rearm_if_pending, settle,
-    DeliveryError, Expected,
+    collect, collect_expecting, disarm_and_recheck, keep_standby, settle, DeliveryError, Expected,
 };
 pub(crate) use item::{acked, reject, release, remove_item};
+pub(crate) use rearm::rearm_if_pending;
 pub(crate) use standby::Standbys;
 pub(crate) use turn::{dispatch, finish, outcome_event, tell_end, wait_terminal, Watch};

@@ -1,0 +1,61 @@
+//! Arming a delivery from the lane's side: after a delivery left completions pending (beyond
+//! its cap, stored while its marker was set, or waiting for their end), and after a turn ends
+//! on a lane whose last delivery failed. The broker arms the rest, as it routes each end.
+
+use async_nats::jetstream;
+use serde_json::json;
+use turnstile_shared::events::{self, session_event, EventKind};
+use turnstile_shared::kv::Bucket;
+use turnstile_shared::{subjects, ExecutionId, SessionId};
+
+use crate::ctx::Ctx;
+
+pub(super) async fn arm(ctx: &Ctx, session: &SessionId, first: Option<&ExecutionId>) {
+    arm_with(&ctx.js, &ctx.buckets.deliveries, session, first).await
+}
+
+async fn arm_with(
+    js: &jetstream::Context,
+    deliveries: &Bucket,
+    session: &SessionId,
+    first: Option<&ExecutionId>,
+) {
+    match turnstile_shared::arming::arm_naming(js, deliveries, session, first).await {
+        Ok(Some(d)) => {
+            if let Ok(ev) = session_event(
+                EventKind::DeliveryQueued,
+                session,
+                None,
+                &json!({ "delivery": d }),
+            ) {
+                let _ = events::publish(js, &ev.with_id(format!("{d}:queued"))).await;
+            }
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(%session, error = %e, "arm delivery"),
+    }
+}
+
+/// Arms a delivery if completions wait without one: after a turn ends on a lane whose last
+/// delivery failed, and once when a lane worker starts (a failure seen by another replica).
+/// Off the hand-off path: spawned.
+pub(crate) fn rearm_if_pending(ctx: &Ctx, session: &SessionId) {
+    let js = ctx.js.clone();
+    let deliveries = ctx.buckets.deliveries.clone();
+    let session = session.clone();
+    tokio::spawn(async move {
+        let Ok(stream) = js.get_stream_no_info(subjects::COMPLETION_STREAM).await else {
+            return;
+        };
+        let pending = match stream
+            .consumer_info(subjects::completion_consumer(&session))
+            .await
+        {
+            Ok(info) => info.num_pending + info.num_ack_pending as u64,
+            Err(_) => 0,
+        };
+        if pending > 0 {
+            arm_with(&js, &deliveries, &session, None).await;
+        }
+    });
+}
