@@ -18,13 +18,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::kv::Operation;
-use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::delivery::Completion;
 use turnstile_shared::execution::ExecutionRecord;
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::{ExecutionId, SessionId};
+
+use crate::bucket_watch::Watched;
 
 /// How many ended records are kept, the oldest forgotten first. An end is looked up within
 /// milliseconds of its write; at 1,000 ends a second this is four seconds of them.
@@ -152,6 +153,14 @@ impl EndedView {
         let Ok(id) = key.parse::<ExecutionId>() else {
             return;
         };
+        // Most writes are a running step's (its start, its heartbeats): only an end is read
+        // whole.
+        let Ok(Peek { status }) = serde_json::from_slice::<Peek>(value) else {
+            return;
+        };
+        if matches!(status.as_ref(), "queued" | "running") {
+            return;
+        }
         let Ok(record) = serde_json::from_slice::<ExecutionRecord>(value) else {
             return;
         };
@@ -182,44 +191,23 @@ impl EndedView {
     }
 }
 
+/// A record's state tag (`ExecStatus`'s `status`), read without the rest.
+#[derive(serde::Deserialize)]
+struct Peek<'a> {
+    #[serde(borrow)]
+    status: std::borrow::Cow<'a, str>,
+}
+
 async fn follow(bucket: Bucket, view: EndedView, cancel: CancellationToken) {
-    loop {
-        let mut watch = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return,
-            w = bucket.store().watch_all() => match w {
-                Ok(w) => w,
-                Err(e) => {
-                    tracing::warn!(error = %e, "watch executions bucket; retrying");
-                    crate::turn_watch::sleep_or_cancel(&cancel, Duration::from_millis(500)).await;
-                    continue;
-                }
-            },
-        };
-        view.set_following(true);
-        loop {
-            let entry = tokio::select! {
-                biased;
-                _ = cancel.cancelled() => {
-                    view.set_following(false);
-                    return;
-                }
-                e = watch.next() => e,
-            };
-            match entry {
-                Some(Ok(entry)) => match entry.operation {
-                    Operation::Put => view.keep(&entry.key, &entry.value),
-                    Operation::Delete | Operation::Purge => view.forget(&entry.key),
-                },
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "executions watch interrupted; re-watching");
-                    break;
-                }
-                None => break,
-            }
-        }
-        view.set_following(false);
-    }
+    crate::bucket_watch::follow_new(bucket, "executions", cancel, |w| match w {
+        Watched::Up => view.set_following(true),
+        Watched::Down => view.set_following(false),
+        Watched::Entry(entry) => match entry.operation {
+            Operation::Put => view.keep(&entry.key, &entry.value),
+            Operation::Delete | Operation::Purge => view.forget(&entry.key),
+        },
+    })
+    .await
 }
 
 #[cfg(test)]
@@ -273,6 +261,16 @@ mod tests {
             view.admitted(&running.id, &ours).is_none(),
             "not ended: read"
         );
+        let started = ExecutionRecord {
+            status: ExecStatus::Running {
+                started_at: chrono::Utc::now(),
+                worker: None,
+                heartbeat_at: None,
+            },
+            ..running.clone()
+        };
+        put(&view, &started);
+        assert!(view.admitted(&started.id, &ours).is_none(), "running: read");
         let done = ExecutionRecord {
             status: ended(),
             ..running.clone()

@@ -17,6 +17,7 @@
 //! - `ctx`: what all of the above share (NATS handles, topology, per-replica state).
 
 mod api;
+mod bucket_watch;
 mod ctx;
 mod ended_view;
 mod handoff;

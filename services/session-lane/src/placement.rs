@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::records::HostRecord;
 use turnstile_shared::{HostName, SessionId};
 
+use crate::bucket_watch::sleep_or_cancel;
 use crate::ctx::Ctx;
-use crate::turn_watch::sleep_or_cancel;
 
 #[derive(Default)]
 pub(crate) struct Placement {

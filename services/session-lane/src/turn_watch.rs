@@ -3,11 +3,11 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use futures::StreamExt;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+
+use crate::bucket_watch::Watched;
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::records::TurnRecord;
 use turnstile_shared::TurnId;
@@ -56,35 +56,12 @@ impl TurnWatch {
 }
 
 async fn watch_loop(bucket: Bucket, waiters: Waiters, cancel: CancellationToken) {
-    loop {
-        let mut watch = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return,
-            w = bucket.store().watch_all() => match w {
-                Ok(w) => w,
-                Err(e) => {
-                    tracing::warn!(error = %e, "watch turns bucket; retrying");
-                    sleep_or_cancel(&cancel, Duration::from_millis(500)).await;
-                    continue;
-                }
-            },
-        };
-        loop {
-            let entry = tokio::select! {
-                biased;
-                _ = cancel.cancelled() => return,
-                e = watch.next() => e,
-            };
-            match entry {
-                Some(Ok(entry)) => route(&waiters, &entry.key, &entry.value),
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "turns watch interrupted; re-watching");
-                    break;
-                }
-                None => break,
-            }
+    crate::bucket_watch::follow_new(bucket, "turns", cancel, |w| {
+        if let Watched::Entry(entry) = w {
+            route(&waiters, &entry.key, &entry.value);
         }
-    }
+    })
+    .await
 }
 
 fn route(waiters: &Waiters, key: &str, value: &[u8]) {
@@ -99,12 +76,5 @@ fn route(waiters: &Waiters, key: &str, value: &[u8]) {
             }
             Err(e) => tracing::warn!(%turn, error = %e, "unreadable turn record"),
         }
-    }
-}
-
-pub(crate) async fn sleep_or_cancel(cancel: &CancellationToken, d: Duration) {
-    tokio::select! {
-        _ = cancel.cancelled() => {}
-        _ = tokio::time::sleep(d) => {}
     }
 }

@@ -387,7 +387,6 @@ async fn a_delivery_that_overtakes_its_completion_waits_for_it() -> Result<()> {
 }
 
 async fn item_first(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::delivery::Completion;
     use turnstile_shared::{arming, subjects};
     let (s, step) = idle_with_a_step(stack, "overtaken", "nobody").await?;
     // The broker's half, by hand and out of order: the delivery armed naming the step first,
@@ -409,13 +408,7 @@ async fn item_first(stack: &mut Stack) -> Result<()> {
     )
     .await?;
     let record = end_by_hand(stack, &step.id, "done", chrono::Utc::now()).await?;
-    turnstile_shared::events::publish_durable(
-        &js,
-        subjects::completion(&s, &step.id),
-        &Completion::of(&record).envelope(&s)?,
-        None,
-    )
-    .await?;
+    store_by_hand(&js, &s, &record).await?;
     let done = stack
         .wait_turn(&delivery.turn(), Duration::from_secs(20))
         .await?;
@@ -424,11 +417,7 @@ async fn item_first(stack: &mut Stack) -> Result<()> {
         "{:?}",
         done.state
     );
-    let carried: Vec<_> = done
-        .delivery
-        .iter()
-        .flat_map(|d| d.completions.iter().map(|c| c.execution.clone()))
-        .collect();
+    let carried = carried_by(&done);
     ensure!(carried == vec![step.id.clone()], "carried {carried:?}");
     ensure!(
         listed_steps(&done.text) == vec![step.id.to_string()],
@@ -666,18 +655,12 @@ async fn an_extra_item_sent_ahead_carries_nothing_twice_and_waits_for_nothing() 
 
 async fn extra_ahead(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::arming::{self, First};
-    use turnstile_shared::delivery::{Completion, DeliveryMarker};
-    use turnstile_shared::{subjects, DeliveryId};
+    use turnstile_shared::delivery::DeliveryMarker;
+    use turnstile_shared::DeliveryId;
     let (s, step) = idle_with_a_step(stack, "extra", "nobody").await?;
     let js = stack.js_as("notification-broker").await?;
     let record = end_by_hand(stack, &step.id, "done", chrono::Utc::now()).await?;
-    turnstile_shared::events::publish_durable(
-        &js,
-        subjects::completion(&s, &step.id),
-        &Completion::of(&record).envelope(&s)?,
-        None,
-    )
-    .await?;
+    store_by_hand(&js, &s, &record).await?;
     // The armed delivery, then an item sent ahead whose marker's create found it armed.
     let (marker, rev) = claim_by_hand(&js, &s).await?;
     arming::publish_item(&js, &s, &marker, rev, None).await?;
@@ -765,13 +748,7 @@ async fn full_first(stack: &mut Stack) -> Result<()> {
     )
     .await?;
     let record = end_by_hand(stack, &step.id, "done", chrono::Utc::now()).await?;
-    turnstile_shared::events::publish_durable(
-        &js,
-        subjects::completion(&s, &step.id),
-        &Completion::of(&record).envelope(&s)?,
-        None,
-    )
-    .await?;
+    store_by_hand(&js, &s, &record).await?;
     let delivered = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;
     ensure!(
         delivered.len() == 1 && listed_steps(&delivered[0].text) == vec![step.id.to_string()],
@@ -1038,7 +1015,6 @@ async fn a_delivery_to_a_dead_host_fails_unavailable_and_its_completion_waits() 
 }
 
 async fn dead_host_delivery(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::delivery::Completion;
     use turnstile_shared::{arming, subjects};
     let (s, step) = idle_with_a_step(stack, "dead-host", "nobody").await?;
     stack.transports.get_mut("h1").context("h1")?.kill().await?;
@@ -1046,13 +1022,7 @@ async fn dead_host_delivery(stack: &mut Stack) -> Result<()> {
     // delivery armed.
     let js = stack.js_as("notification-broker").await?;
     let record = end_by_hand(stack, &step.id, "done", chrono::Utc::now()).await?;
-    turnstile_shared::events::publish_durable(
-        &js,
-        subjects::completion(&s, &step.id),
-        &Completion::of(&record).envelope(&s)?,
-        None,
-    )
-    .await?;
+    store_by_hand(&js, &s, &record).await?;
     let turns = stack.js.get_key_value(subjects::TURNS_BUCKET).await?;
     let (marker, rev) = claim_by_hand(&js, &s).await?;
     let turn = marker.delivery.turn();
@@ -1263,6 +1233,32 @@ async fn claim_by_hand(
     arming::claim(js, &buckets.deliveries, s, arming::Trust::YoungMarkers)
         .await?
         .context("nothing armed on an idle lane")
+}
+
+/// A completion of `record`'s end for `s`, stored as its router stores it (`js` under the
+/// broker's identity).
+async fn store_by_hand(
+    js: &async_nats::jetstream::Context,
+    s: &SessionId,
+    record: &turnstile_shared::execution::ExecutionRecord,
+) -> Result<()> {
+    use turnstile_shared::delivery::Completion;
+    turnstile_shared::events::publish_durable(
+        js,
+        turnstile_shared::subjects::completion(s, &record.id),
+        &Completion::of(record).envelope(s)?,
+        None,
+    )
+    .await?;
+    Ok(())
+}
+
+/// The executions a delivery turn's record says it carried.
+fn carried_by(turn: &turnstile_shared::records::TurnRecord) -> Vec<ExecutionId> {
+    turn.delivery
+        .iter()
+        .flat_map(|d| d.completions.iter().map(|c| c.execution.clone()))
+        .collect()
 }
 
 /// An execution's end written to the registry as the broker writes it (completed at `at`,
@@ -1514,7 +1510,6 @@ async fn a_completion_held_by_a_stopping_lanes_standby_is_handed_over_at_once() 
 }
 
 async fn standby_given_back(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::delivery::Completion;
     use turnstile_shared::execution::Scope;
     use turnstile_shared::step_api::{StartStep, StepKind};
     use turnstile_shared::{arming, subjects};
@@ -1540,24 +1535,10 @@ async fn standby_given_back(stack: &mut Stack) -> Result<()> {
     stack.all_complete(&[holder]).await?;
     stack.wait_idle(&s).await?;
     let js = stack.js_as("notification-broker").await?;
-    let store = |id: ExecutionId, record| {
-        let js = js.clone();
-        let s = s.clone();
-        async move {
-            turnstile_shared::events::publish_durable(
-                &js,
-                subjects::completion(&s, &id),
-                &Completion::of(&record).envelope(&s)?,
-                None,
-            )
-            .await?;
-            anyhow::Ok(())
-        }
-    };
     // The first step's end, routed by hand: its delivery opens the lane's standby.
     let (marker, rev) = claim_by_hand(&js, &s).await?;
     let first = end_by_hand(stack, &steps[0], "first done", chrono::Utc::now()).await?;
-    store(steps[0].clone(), first).await?;
+    store_by_hand(&js, &s, &first).await?;
     arming::publish_item(&js, &s, &marker, rev, Some(&steps[0])).await?;
     let done = stack
         .wait_turn(&marker.delivery.turn(), Duration::from_secs(20))
@@ -1572,7 +1553,7 @@ async fn standby_given_back(stack: &mut Stack) -> Result<()> {
     // completion is pushed to the standby, which holds it unacked.
     let (marker, rev) = claim_by_hand(&js, &s).await?;
     let second = end_by_hand(stack, &steps[1], "second done", chrono::Utc::now()).await?;
-    store(steps[1].clone(), second).await?;
+    store_by_hand(&js, &s, &second).await?;
     let completions = stack.js.get_stream(subjects::COMPLETION_STREAM).await?;
     turnstile_tests::wait_until(
         "the second completion pushed to the lane's standby",
@@ -1604,11 +1585,7 @@ async fn standby_given_back(stack: &mut Stack) -> Result<()> {
         "{:?}",
         done.state
     );
-    let carried: Vec<_> = done
-        .delivery
-        .iter()
-        .flat_map(|d| d.completions.iter().map(|c| c.execution.clone()))
-        .collect();
+    let carried = carried_by(&done);
     ensure!(carried == vec![steps[1].clone()], "carried {carried:?}");
     all_acked(stack, &s).await
 }

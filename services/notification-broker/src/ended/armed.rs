@@ -36,11 +36,32 @@ enum Holder {
     Someone,
 }
 
+/// How often entries past [`FORGET`] are swept (a look-up ignores them meanwhile).
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
 #[derive(Default)]
 pub(crate) struct ArmedSessions {
-    inner: Mutex<HashMap<SessionId, Holders>>,
+    inner: Mutex<Entries>,
     /// Whether the events are followed: until they are, every session counts as armed.
     following: AtomicBool,
+}
+
+#[derive(Default)]
+struct Entries {
+    by_session: HashMap<SessionId, Holders>,
+    swept: Option<Instant>,
+}
+
+impl Entries {
+    /// Forgets entries without news for [`FORGET`], at most once every [`SWEEP_EVERY`]: a
+    /// scan of every armed session, kept off the path of each end.
+    fn sweep(&mut self) {
+        if self.swept.is_some_and(|at| at.elapsed() < SWEEP_EVERY) {
+            return;
+        }
+        self.by_session.retain(|_, h| h.news.elapsed() < FORGET);
+        self.swept = Some(Instant::now());
+    }
 }
 
 struct Holders {
@@ -52,10 +73,11 @@ impl ArmedSessions {
     /// Whether `session` has a delivery armed or a run holding it, as far as this replica knows.
     pub(crate) fn armed(&self, session: &SessionId) -> bool {
         !self.following.load(Ordering::Relaxed)
-            || self
-                .inner
-                .lock()
-                .is_ok_and(|m| m.get(session).is_some_and(|h| h.news.elapsed() < FORGET))
+            || self.inner.lock().is_ok_and(|m| {
+                m.by_session
+                    .get(session)
+                    .is_some_and(|h| h.news.elapsed() < FORGET)
+            })
     }
 
     /// Reserves `session` for `delivery`, whose marker's create is on its way, if it is
@@ -86,11 +108,18 @@ impl ArmedSessions {
 
     fn hold(&self, session: &SessionId, holder: Holder) {
         if let Ok(mut m) = self.inner.lock() {
-            m.retain(|_, h| h.news.elapsed() < FORGET);
-            let h = m.entry(session.clone()).or_insert_with(|| Holders {
-                held: HashSet::new(),
-                news: Instant::now(),
-            });
+            m.sweep();
+            let h = m
+                .by_session
+                .entry(session.clone())
+                .or_insert_with(|| Holders {
+                    held: HashSet::new(),
+                    news: Instant::now(),
+                });
+            if h.news.elapsed() >= FORGET {
+                // Not swept yet: what it held is forgotten all the same.
+                h.held.clear();
+            }
             if matches!(holder, Holder::Delivery(_)) {
                 // One marker a session: a delivery armed means the ones before it are done.
                 h.held
@@ -105,12 +134,15 @@ impl ArmedSessions {
     /// too, or says so when it is).
     fn release(&self, session: &SessionId, holder: &Holder) {
         if let Ok(mut m) = self.inner.lock() {
-            if let Some(h) = m.get_mut(session) {
+            if let Some(h) = m.by_session.get_mut(session) {
+                if h.news.elapsed() >= FORGET {
+                    h.held.clear();
+                }
                 h.held.remove(holder);
                 h.held.remove(&Holder::Someone);
                 h.news = Instant::now();
                 if h.held.is_empty() {
-                    m.remove(session);
+                    m.by_session.remove(session);
                 }
             }
         }
@@ -118,7 +150,7 @@ impl ArmedSessions {
 
     fn forget(&self, session: &SessionId) {
         if let Ok(mut m) = self.inner.lock() {
-            m.remove(session);
+            m.by_session.remove(session);
         }
     }
 

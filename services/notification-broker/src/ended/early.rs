@@ -213,13 +213,7 @@ async fn send(
 ) -> Sent {
     let store = async {
         let began = Instant::now();
-        let stored = match completion.envelope(target) {
-            Ok(env) => {
-                let subject = subjects::completion(target, &record.id);
-                events::publish_durable(&ctx.js, subject, &env, None).await
-            }
-            Err(e) => Err(e.into()),
-        };
+        let stored = store_completion(ctx, target, completion).await;
         (stored, began.elapsed())
     };
     let item = async {
@@ -238,4 +232,16 @@ async fn send(
         store_took,
         item,
     }
+}
+
+/// Stores `completion` for `target` on the completion stream (de-duplicated per execution and
+/// target, R14).
+pub(super) async fn store_completion(
+    ctx: &Ctx,
+    target: &SessionId,
+    completion: &Completion,
+) -> Result<(), PublishError> {
+    let env = completion.envelope(target)?;
+    let subject = subjects::completion(target, &completion.execution);
+    events::publish_durable(&ctx.js, subject, &env, None).await
 }

@@ -294,7 +294,6 @@ async fn route(
 ) -> Result<(), EndError> {
     let completion = Completion::of(record);
     for target in record.targets() {
-        let env = completion.envelope(&target)?;
         let began = std::time::Instant::now();
         let sent = early.sent(&target);
         let stored_ahead = sent
@@ -306,13 +305,7 @@ async fn route(
             if stored_ahead.is_some() {
                 return Ok(());
             }
-            events::publish_durable(
-                &ctx.js,
-                subjects::completion(&target, &record.id),
-                &env,
-                None,
-            )
-            .await
+            early::store_completion(ctx, &target, &completion).await
         };
         let decide = async {
             let a = early.take(&target).await;

@@ -56,16 +56,11 @@ pub(crate) async fn disarm_and_recheck(
         arm(ctx, session, unseen).await;
         return Ok(());
     }
-    let consumer = ctx.completion_consumer(session).await?;
-    let info = consumer
-        .clone()
-        .info()
-        .await
-        .map_err(|e| DeliveryError::Fetch {
-            session: session.clone(),
-            source: e.into(),
-        })?
-        .clone();
+    let mut consumer = ctx.completion_consumer(session).await?;
+    let info = consumer.info().await.map_err(|e| DeliveryError::Fetch {
+        session: session.clone(),
+        source: e.into(),
+    })?;
     // What a standby of this lane holds, or was sent, is pending too: its router may have
     // seen the marker still set.
     if info.num_pending > 0 || ctx.standbys.owes(session, info.delivered.consumer_sequence) {
@@ -123,17 +118,12 @@ impl<'a> Expected<'a> {
     }
 
     /// Whether this delivery has a completion to wait for, when its fetch did not find it:
-    /// not if it is an extra one (sent ahead, its marker's create found another delivery
-    /// armed: `extra`), nor if this replica collected it lately (handed over already), nor if
-    /// the registry holds another end than the one the item was sent ahead for (that end
-    /// routed its own).
-    fn awaited(
-        &self,
-        extra: bool,
-        collected: bool,
-        registry: Option<&Result<Completion, Refusal>>,
-    ) -> bool {
-        if extra || collected {
+    /// not if this replica collected it lately (handed over already), nor if the registry
+    /// holds another end than the one the item was sent ahead for (that end routed its own).
+    /// An extra delivery waits for nothing either ([`Expected::is_extra`], told by a read
+    /// made only if this one says to wait).
+    fn awaited(&self, collected: bool, registry: Option<&Result<Completion, Refusal>>) -> bool {
+        if collected {
             return false;
         }
         match (self.ended_at, registry) {
@@ -142,7 +132,14 @@ impl<'a> Expected<'a> {
         }
     }
 
-    /// Whether its marker is read beside the fetch: an item sent ahead may be an extra one.
+    /// Whether the item is an extra delivery, given the session's armed one (`armed`, its
+    /// marker's): sent ahead, and its marker's create found another delivery armed. The
+    /// armed one takes the completion.
+    fn is_extra(&self, armed: Option<&DeliveryId>) -> bool {
+        self.sent_ahead() && armed.is_some_and(|d| d != self.delivery)
+    }
+
+    /// Whether the item went out ahead of its marker's create (so it may be an extra one).
     fn sent_ahead(&self) -> bool {
         self.ended_at.is_some()
     }
@@ -179,7 +176,7 @@ pub(crate) async fn collect_expecting(
     }) {
         let collected = ctx.collected.knows(first.execution);
         // An item sent ahead may also be an extra one: `wait_for` reads its marker meanwhile.
-        if first.awaited(false, collected, early.as_ref().map(|(_, v)| v))
+        if first.awaited(collected, early.as_ref().map(|(_, v)| v))
             && wait_for(ctx, session, first, &mut fetched).await? == Waited::AtCap
         {
             unseen = Some(first.execution.clone());
@@ -219,16 +216,21 @@ pub(crate) async fn collect_expecting(
     })
 }
 
-/// Whether the session's armed delivery is another than the one `first`'s item names (an
-/// item sent ahead whose marker's create found one armed).
+/// Whether `first`'s item is an extra delivery ([`Expected::is_extra`]): reads the
+/// session's marker, for an item sent ahead only.
 async fn extra(ctx: &Ctx, session: &SessionId, first: Expected<'_>) -> bool {
-    ctx.buckets
+    if !first.sent_ahead() {
+        return false;
+    }
+    let armed = ctx
+        .buckets
         .deliveries
         .get::<DeliveryMarker>(session.as_str())
         .await
         .ok()
         .flatten()
-        .is_some_and(|(m, _)| m.delivery != *first.delivery)
+        .map(|(m, _)| m.delivery);
+    first.is_extra(armed.as_ref())
 }
 
 /// A pending completion pulled for a turn: its message, its stream sequence and what it
@@ -325,7 +327,7 @@ async fn wait_for(
     let execution = first.execution;
     let found = |fetched: &[Fetched]| fetched.iter().any(|f| f.completion.execution == *execution);
     let deadline = tokio::time::Instant::now() + arming::FIRST_WAIT;
-    let is_extra = async { first.sent_ahead() && extra(ctx, &session.id, first).await };
+    let is_extra = extra(ctx, &session.id, first);
     tokio::pin!(is_extra);
     let mut extra_known = false;
     while fetched.len() < DELIVERY_CAP {
@@ -586,31 +588,37 @@ mod tests {
         let ours = Ok(recorded(&x, at));
         let theirs = Ok(recorded(&x, at + chrono::TimeDelta::milliseconds(3)));
         assert!(
-            ahead.awaited(false, false, Some(&ours)),
+            ahead.awaited(false, Some(&ours)),
             "its end recorded: stored soon"
         );
         assert!(
-            ahead.awaited(false, false, Some(&Err(Refusal::NotEnded))),
+            ahead.awaited(false, Some(&Err(Refusal::NotEnded))),
             "its end not recorded yet: both on their way"
         );
         assert!(
-            !ahead.awaited(false, false, Some(&theirs)),
+            !ahead.awaited(false, Some(&theirs)),
             "another end won: that one routed its own completion"
         );
         assert!(
-            !ahead.awaited(false, true, Some(&ours)),
+            !ahead.awaited(true, Some(&ours)),
             "collected lately here: handed over already"
         );
         assert!(
-            !ahead.awaited(true, false, Some(&ours)),
+            ahead.is_extra(Some(&DeliveryId::new())),
             "an extra delivery: the armed one takes it"
         );
+        assert!(!ahead.is_extra(Some(&d)), "its own marker: the armed one");
+        assert!(!ahead.is_extra(None), "nothing armed: not an extra one");
         let armed_after_store = Expected {
             execution: &x,
             ended_at: None,
             delivery: &d,
         };
-        assert!(armed_after_store.awaited(false, false, Some(&theirs)));
+        assert!(armed_after_store.awaited(false, Some(&theirs)));
+        assert!(
+            !armed_after_store.is_extra(Some(&DeliveryId::new())),
+            "armed after its store: its marker's own item"
+        );
         assert!(ahead.sent_ahead() && !armed_after_store.sent_ahead());
     }
 }

@@ -70,7 +70,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<()
             Ok(r) => break r,
             Err(e) => {
                 tracing::warn!(error = %e, "announce replica liveness; retrying");
-                crate::turn_watch::sleep_or_cancel(&shutdown, timing.interval).await;
+                crate::bucket_watch::sleep_or_cancel(&shutdown, timing.interval).await;
                 if shutdown.is_cancelled() {
                     return Ok(());
                 }
