@@ -1589,3 +1589,128 @@ async fn standby_given_back(stack: &mut Stack) -> Result<()> {
     ensure!(carried == vec![steps[1].clone()], "carried {carried:?}");
     all_acked(stack, &s).await
 }
+
+/// A lane's standby takes up to the delivery cap (100) of completions, then closes: the one
+/// that fills it arrives as it closes. Ended one after another, each of 102 results is handed
+/// over by the delivery its end armed, in a turn of its own (R3): none waits out the 2 s a
+/// delivery gives its completion and is left to a delivery armed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_ended_one_by_one_past_a_full_standby_each_come_with_their_own_delivery(
+) -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = one_by_one(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn one_by_one(stack: &mut Stack) -> Result<()> {
+    use futures::StreamExt;
+    use turnstile_shared::envelope::Envelope;
+    use turnstile_shared::execution::{Scope, StepResult};
+    use turnstile_shared::principal::Principal;
+    use turnstile_shared::step_api::{Report, StartStep, StepKind, StepReport, StepWorkItem};
+    use turnstile_shared::subjects::api as subj;
+    use turnstile_shared::topology::{self, TopologyConfig};
+    const STEPS: usize = 102;
+    let s = stack.create_session("one-by-one", None).await?;
+    let holder = stack.send(&s, "start the work\n!sleep 3s").await?;
+    stack.wait_running(&holder).await?;
+    for i in 0..STEPS {
+        stack
+            .start_step(&StartStep {
+                caller: stack.caller(&s).await?,
+                name: format!("step-{i}"),
+                scope: Scope::Run,
+                work: StepKind::External {
+                    queue: "one-by-one".into(),
+                    input: serde_json::Value::Null,
+                },
+                id: None,
+            })
+            .await?;
+    }
+    // Taken as an external worker takes it.
+    let report = |item: &StepWorkItem, report: Report| {
+        let req = StepReport {
+            step: item.step.clone(),
+            token: item.token.clone(),
+            report,
+        };
+        let subject = Principal::Step(item.step.clone()).steps(subj::REPORT);
+        let client = stack.client.clone();
+        async move {
+            let _: turnstile_shared::step_api::ReportAck =
+                turnstile_shared::api::call(&client, &subject, &req, crate::stack::API).await?;
+            anyhow::Ok(())
+        }
+    };
+    let consumer = topology::ensure_step_external_consumer(
+        &stack.js,
+        &TopologyConfig::default(),
+        "one-by-one",
+    )
+    .await?;
+    let mut messages = consumer.messages().await?;
+    let mut work = Vec::with_capacity(STEPS);
+    while work.len() < STEPS {
+        let msg = tokio::time::timeout(Duration::from_secs(10), messages.next())
+            .await
+            .context("step work")?
+            .context("work stream ended")??;
+        let item: StepWorkItem = Envelope::decode(&msg.payload)?.data_as()?;
+        report(&item, Report::Started { worker: "w".into() }).await?;
+        msg.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        work.push(item);
+    }
+    stack.all_complete(&[holder]).await?;
+    stack.wait_idle(&s).await?;
+    // Each result's delivery turn ends before the next result: its turn's end event, as it
+    // comes (the standby is out 5 s, so the rounds are waited for by events, not polls).
+    let mut ended = stack
+        .client
+        .subscribe(turnstile_shared::subjects::session_events(&s))
+        .await?;
+    for (i, item) in work.iter().enumerate() {
+        let result = StepResult {
+            exit_code: Some(0),
+            summary: "done".into(),
+            output: vec![],
+        };
+        report(item, Report::Completed { result }).await?;
+        loop {
+            let msg = tokio::time::timeout(Duration::from_secs(20), ended.next())
+                .await
+                .with_context(|| format!("the delivery of result {}", i + 1))?
+                .context("event subscription ended")?;
+            let env = Envelope::decode(&msg.payload)?;
+            if env.kind == "delivery.completed" {
+                break;
+            }
+        }
+    }
+    let delivered = stack.delivery_turns(&s).await?;
+    ensure!(
+        delivered.len() == STEPS,
+        "{} delivery turns",
+        delivered.len()
+    );
+    for d in &delivered {
+        ensure!(
+            carried_by(d).len() == 1,
+            "{} carried {:?}",
+            d.id,
+            carried_by(d)
+        );
+    }
+    let armed = stack
+        .events()
+        .await?
+        .iter()
+        .filter(|e| e.kind == "delivery.queued" && e.session.as_ref() == Some(&s))
+        .count();
+    ensure!(
+        armed == STEPS,
+        "{armed} deliveries armed for {STEPS} results (one gave up on its result and another \
+         was armed for it)"
+    );
+    all_acked(stack, &s).await
+}

@@ -330,10 +330,27 @@ async fn wait_for(
     let is_extra = extra(ctx, &session.id, first);
     tokio::pin!(is_extra);
     let mut extra_known = false;
-    while fetched.len() < DELIVERY_CAP {
+    // From the standby while it is out. What it holds is taken before its state is looked
+    // at: the message that fills it to the cap arrives as it closes.
+    loop {
+        let open = match ctx.standbys.take(&session.id).await {
+            Some(held) => {
+                for msg in held.messages {
+                    take_in(ctx, &session.id, msg, fetched).await;
+                }
+                held.open
+            }
+            None => false,
+        };
+        if found(fetched) {
+            return Ok(Waited::Found);
+        }
+        if !open || fetched.len() >= DELIVERY_CAP || tokio::time::Instant::now() >= deadline {
+            break;
+        }
         let arrival = ctx.standbys.arrival(&session.id, deadline);
-        let open = if extra_known {
-            arrival.await
+        if extra_known {
+            arrival.await;
         } else {
             tokio::select! {
                 biased;
@@ -342,24 +359,9 @@ async fn wait_for(
                         return Ok(Waited::Extra);
                     }
                     extra_known = true;
-                    continue;
                 }
-                open = arrival => open,
+                () = arrival => {}
             }
-        };
-        if !open {
-            break;
-        }
-        if let Some(held) = ctx.standbys.take(&session.id).await {
-            for msg in held.messages {
-                take_in(ctx, &session.id, msg, fetched).await;
-            }
-        }
-        if found(fetched) {
-            return Ok(Waited::Found);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Ok(Waited::GaveUp);
         }
     }
     if !extra_known && is_extra.await {

@@ -137,27 +137,21 @@ impl Standbys {
         })
     }
 
-    /// Waits until something arrives in `session`'s standby, it closes, or `deadline`;
-    /// returns whether it is still open.
-    pub(crate) async fn arrival(&self, session: &SessionId, deadline: Instant) -> bool {
+    /// Waits until `session`'s standby holds something, it closes, or `deadline`.
+    pub(crate) async fn arrival(&self, session: &SessionId, deadline: Instant) {
         let Some(standby) = self.get(session) else {
-            return false;
+            return;
         };
         let arrived = standby.arrived.notified();
         tokio::pin!(arrived);
         arrived.as_mut().enable();
-        let ready = standby
+        let waiting = standby
             .state
             .lock()
-            .map(|s| (s.open, !s.held.is_empty()))
-            .unwrap_or((false, false));
-        match ready {
-            (false, _) => return false,
-            (true, true) => return true,
-            (true, false) => {}
+            .is_ok_and(|s| s.open && s.held.is_empty());
+        if waiting {
+            let _ = tokio::time::timeout_at(deadline, arrived).await;
         }
-        let _ = tokio::time::timeout_at(deadline, arrived).await;
-        standby.state.lock().is_ok_and(|s| s.open)
     }
 
     /// Notes a delivery this replica received by a fetch (its consumer sequence): a standby
