@@ -246,6 +246,23 @@ async fn a_lane_stranded_on_a_pin_nobody_holds_is_freed_by_the_take_over() -> Re
             .context("replica a")?
             .kill()
             .await?;
+        // The dead replica's waiting pull goes once the server has seen its connection
+        // close; until then it could take the stranger's message.
+        turnstile_tests::wait_until(
+            "the killed replica's pull request gone",
+            Duration::from_secs(10),
+            || async {
+                let mut consumer: async_nats::jetstream::consumer::PullConsumer = stack
+                    .js
+                    .get_stream(turnstile_shared::subjects::LANE_STREAM)
+                    .await?
+                    .get_consumer(&turnstile_shared::subjects::lane_consumer(&s))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("lane consumer: {e}"))?;
+                Ok((consumer.info().await?.num_waiting == 0).then_some(()))
+            },
+        )
+        .await?;
         strand(&stack, &s).await?;
         let pinned = lane_pin(&stack, &s).await?;
         ensure!(pinned.is_some(), "the lane is pinned to the stranger");
