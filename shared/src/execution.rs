@@ -142,6 +142,20 @@ impl ExecStatus {
         self.into()
     }
 
+    /// Whether a stored record (`value`, an [`ExecutionRecord`]'s JSON) has ended, told from
+    /// its `status` tag without decoding the rest: most writes to the registry are a running
+    /// step's (its start, its heartbeats), which a reader of ends can skip for the price of
+    /// one field. `None` when the tag cannot be read.
+    pub fn stored_has_ended(value: &[u8]) -> Option<bool> {
+        #[derive(Deserialize)]
+        struct Tag<'a> {
+            #[serde(borrow)]
+            status: std::borrow::Cow<'a, str>,
+        }
+        let Tag { status } = serde_json::from_slice(value).ok()?;
+        Some(!matches!(status.as_ref(), "queued" | "running"))
+    }
+
     pub fn started_at(&self) -> Option<DateTime<Utc>> {
         match self {
             Self::Queued => None,
@@ -311,6 +325,65 @@ mod tests {
         assert!(json.get("token").is_none());
         assert_eq!(json["status"], "queued");
         assert_eq!(json["scope"], "detached");
+    }
+
+    #[test]
+    fn an_end_is_told_from_the_stored_status_tag_alone() {
+        let at = Utc::now();
+        let result = StepResult {
+            exit_code: Some(0),
+            summary: "ok".into(),
+            output: vec![],
+        };
+        let states = [
+            ExecStatus::Queued,
+            ExecStatus::Running {
+                started_at: at,
+                worker: Some("w".into()),
+                heartbeat_at: Some(at),
+            },
+            ExecStatus::Completed {
+                started_at: Some(at),
+                ended_at: at,
+                result: result.clone(),
+            },
+            ExecStatus::Failed {
+                started_at: None,
+                ended_at: at,
+                reason: exec_reason::EXIT_STATUS.into(),
+                result,
+            },
+            ExecStatus::Cancelled {
+                started_at: None,
+                ended_at: at,
+                reason: "by hand".into(),
+            },
+        ];
+        for status in states {
+            let rec = ExecutionRecord {
+                id: StepId::new().into(),
+                kind: ExecKind::Step,
+                name: "x".into(),
+                parent: None,
+                scope: Scope::Run,
+                session: SessionId::new(),
+                owner: None,
+                watchers: vec![],
+                created_at: at,
+                work: None,
+                token: None,
+                children: vec![],
+                status,
+            };
+            let stored = serde_json::to_vec(&rec).expect("json");
+            assert_eq!(
+                ExecStatus::stored_has_ended(&stored),
+                Some(rec.status.is_terminal()),
+                "{}",
+                rec.status.name()
+            );
+        }
+        assert_eq!(ExecStatus::stored_has_ended(b"not json"), None);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use async_nats::jetstream::kv::Operation;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::delivery::Completion;
-use turnstile_shared::execution::ExecutionRecord;
+use turnstile_shared::execution::{ExecStatus, ExecutionRecord};
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::{ExecutionId, SessionId};
 
@@ -155,10 +155,7 @@ impl EndedView {
         };
         // Most writes are a running step's (its start, its heartbeats): only an end is read
         // whole.
-        let Ok(Peek { status }) = serde_json::from_slice::<Peek>(value) else {
-            return;
-        };
-        if matches!(status.as_ref(), "queued" | "running") {
+        if ExecStatus::stored_has_ended(value) != Some(true) {
             return;
         }
         let Ok(record) = serde_json::from_slice::<ExecutionRecord>(value) else {
@@ -189,13 +186,6 @@ impl EndedView {
             self.inner.arrived.notify_waiters();
         }
     }
-}
-
-/// A record's state tag (`ExecStatus`'s `status`), read without the rest.
-#[derive(serde::Deserialize)]
-struct Peek<'a> {
-    #[serde(borrow)]
-    status: std::borrow::Cow<'a, str>,
 }
 
 async fn follow(bucket: Bucket, view: EndedView, cancel: CancellationToken) {

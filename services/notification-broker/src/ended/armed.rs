@@ -69,6 +69,15 @@ struct Holders {
     news: Instant,
 }
 
+impl Holders {
+    /// Forgets what an entry without news for [`FORGET`] held: it may not be swept yet.
+    fn forget_if_stale(&mut self) {
+        if self.news.elapsed() >= FORGET {
+            self.held.clear();
+        }
+    }
+}
+
 impl ArmedSessions {
     /// Whether `session` has a delivery armed or a run holding it, as far as this replica knows.
     pub(crate) fn armed(&self, session: &SessionId) -> bool {
@@ -116,10 +125,7 @@ impl ArmedSessions {
                     held: HashSet::new(),
                     news: Instant::now(),
                 });
-            if h.news.elapsed() >= FORGET {
-                // Not swept yet: what it held is forgotten all the same.
-                h.held.clear();
-            }
+            h.forget_if_stale();
             if matches!(holder, Holder::Delivery(_)) {
                 // One marker a session: a delivery armed means the ones before it are done.
                 h.held
@@ -135,9 +141,7 @@ impl ArmedSessions {
     fn release(&self, session: &SessionId, holder: &Holder) {
         if let Ok(mut m) = self.inner.lock() {
             if let Some(h) = m.by_session.get_mut(session) {
-                if h.news.elapsed() >= FORGET {
-                    h.held.clear();
-                }
+                h.forget_if_stale();
                 h.held.remove(holder);
                 h.held.remove(&Holder::Someone);
                 h.news = Instant::now();
