@@ -153,6 +153,11 @@ async fn run_step(
         .progress_interval()
         .min(Duration::from_secs(5));
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    // At most one heartbeat in flight, awaited beside the command: a broker that does not
+    // answer (frozen, partitioned) must not keep the command's exit, or a cancel, unseen.
+    let mut beat: Option<
+        std::pin::Pin<Box<dyn std::future::Future<Output = Option<ReportAck>> + Send + '_>>,
+    > = None;
     let status = loop {
         tokio::select! {
             biased;
@@ -165,13 +170,17 @@ async fn run_step(
                 break Err("cancelled".to_string());
             }
             s = child.wait() => break Ok(s),
+            ack = async { match beat.as_mut() { Some(b) => b.await, None => std::future::pending().await } } => {
+                beat = None;
+                if let Some(ack) = ack.filter(|a| a.stop) {
+                    kill_group(pgid).await;
+                    break Err(format!("stopped: the step is {}", ack.status));
+                }
+            }
             _ = tick.tick() => {
                 let _ = msg.ack_with(AckKind::Progress).await;
-                if let Some(ack) = call(ctx, item, Report::Heartbeat, shutdown).await {
-                    if ack.stop {
-                        kill_group(pgid).await;
-                        break Err(format!("stopped: the step is {}", ack.status));
-                    }
+                if beat.is_none() {
+                    beat = Some(Box::pin(heartbeat(ctx, item)));
                 }
             }
         }
@@ -237,7 +246,8 @@ async fn kill_group(pgid: Option<u32>) {
     }
 }
 
-/// One report; `None` if the broker could not be reached before shutdown.
+/// One report, retried while the broker is unreachable; `None` if it could not be reached
+/// before shutdown.
 async fn call(
     ctx: &Ctx,
     item: &StepWorkItem,
@@ -251,28 +261,47 @@ async fn call(
     };
     let mut delays = REPORT_RETRY.delays();
     loop {
-        match api::call::<_, ReportAck>(
-            &ctx.client,
-            &Principal::Step(item.step.clone()).steps(subjects::api::REPORT),
-            &req,
-            CALL_TIMEOUT,
-        )
-        .await
-        {
-            Ok(ack) => return Some(ack),
-            Err(ApiError { code, message }) if code.is_transient() => {
-                tracing::warn!(step = %item.step, %message, "broker unreachable; retrying report");
-            }
-            Err(e) => {
-                tracing::warn!(step = %item.step, error = %e, "report refused");
-                return Some(ReportAck {
-                    status: e.code.to_string(),
-                    stop: true,
-                });
+        match send(ctx, &req).await {
+            Ok(answer) => return Some(answer),
+            Err(message) => {
+                tracing::warn!(step = %item.step, %message, "broker unreachable; retrying report")
             }
         }
         if !delays.wait_or_cancel(shutdown).await {
             return None;
+        }
+    }
+}
+
+/// One heartbeat, not retried (the next tick sends another): `None` if it went unanswered.
+async fn heartbeat(ctx: &Ctx, item: &StepWorkItem) -> Option<ReportAck> {
+    let req = StepReport {
+        step: item.step.clone(),
+        token: item.token.clone(),
+        report: Report::Heartbeat,
+    };
+    send(ctx, &req)
+        .await
+        .inspect_err(|message| {
+            tracing::warn!(step = %item.step, %message, "heartbeat unanswered; the next tick sends another")
+        })
+        .ok()
+}
+
+/// One request: the broker's answer, or why it was unreachable (no reply in time, or a
+/// passing refusal). A refusal for good (the step is unknown, its token not admitted) is
+/// answered as a stop, as an end is.
+async fn send(ctx: &Ctx, req: &StepReport) -> Result<ReportAck, String> {
+    let subject = Principal::Step(req.step.clone()).steps(subjects::api::REPORT);
+    match api::call::<_, ReportAck>(&ctx.client, &subject, req, CALL_TIMEOUT).await {
+        Ok(ack) => Ok(ack),
+        Err(ApiError { code, message }) if code.is_transient() => Err(message),
+        Err(e) => {
+            tracing::warn!(step = %req.step, error = %e, "report refused");
+            Ok(ReportAck {
+                status: e.code.to_string(),
+                stop: true,
+            })
         }
     }
 }
