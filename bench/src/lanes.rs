@@ -19,6 +19,8 @@ use turnstile_shared::{SessionId, TurnId};
 
 pub struct LaneFigures {
     pub handoff: serde_json::Value,
+    /// The hand-off's p50 split into stages (`handoff_stages.rs`).
+    pub handoff_stages: serde_json::Value,
     /// The floor measured right before and right after the hand-off's turns.
     pub floor_beside: serde_json::Value,
     pub throughput: serde_json::Value,
@@ -50,7 +52,10 @@ pub async fn measure(
     wait_all(&js, &single).await?;
     transport.pause().await;
     floor_us.extend(floor.warm_block(FLOOR_BESIDE).await?);
-    let handoff = handoffs(&records(&js, &single).await?);
+    let single_records = records(&js, &single).await?;
+    let handoff = handoffs(&single_records);
+    let handoff_stages =
+        crate::handoff_stages::measure(&js, &one[0], &single_records, SKIPPED).await?;
 
     eprintln!("lanes: {turns_each} turns on each of {sessions} sessions");
     let all = queue(&js, &many, turns_each).await?;
@@ -62,6 +67,7 @@ pub async fn measure(
     lane.stop().await;
     Ok(LaneFigures {
         handoff: crate::summary(handoff),
+        handoff_stages,
         floor_beside: crate::summary(floor_us),
         throughput: serde_json::json!({
             "sessions": sessions,
@@ -286,6 +292,9 @@ pub(crate) async fn wait_all(js: &async_nats::jetstream::Context, turns: &[TurnI
     Ok(())
 }
 
+/// The first hand-offs, left out of the figures (connections and caches warming).
+const SKIPPED: usize = 10;
+
 fn handoffs(records: &[TurnRecord]) -> Vec<f64> {
     let mut spans: Vec<_> = records
         .iter()
@@ -301,6 +310,6 @@ fn handoffs(records: &[TurnRecord]) -> Vec<f64> {
         .windows(2)
         .filter_map(|w| (w[1].0 - w[0].1).num_microseconds())
         .map(|us| us as f64)
-        .skip(10)
+        .skip(SKIPPED)
         .collect()
 }

@@ -13,6 +13,7 @@ mod completions;
 mod deployment;
 mod failover;
 mod floor;
+mod handoff_stages;
 mod inproc;
 mod lanes;
 mod plot;
@@ -159,6 +160,7 @@ async fn main() -> Result<()> {
         "jetstream_floor": floor,
         "lane_handoff": lanes.handoff,
         "handoff_over_floor": { "p50": ratio("p50_us"), "p99": ratio("p99_us") },
+        "handoff_stages_p50_us": lanes.handoff_stages,
         "throughput": lanes.throughput,
         "completion_to_agent": completion,
         "completion_over_floor": {

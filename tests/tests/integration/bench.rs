@@ -98,6 +98,20 @@ async fn the_lanes_benchmark_prints_each_figure_beside_its_floor() -> Result<()>
     ] {
         ensure!(stages[stage].as_f64().is_some(), "stage {stage}: {stages}");
     }
+    // The hand-off split into stages over the same 9 hand-offs, each stage a time that
+    // passed (the clocks are one machine's).
+    let stages = &out["handoff_stages_p50_us"];
+    ensure!(stages["hand_offs"] == 9, "hand-off stages over {stages}");
+    for stage in [
+        "end_to_outcome_event",
+        "outcome_event_to_next_started",
+        "next_started_to_typed",
+    ] {
+        ensure!(
+            stages[stage].as_f64().is_some_and(|us| us > 0.0),
+            "stage {stage}: {stages}"
+        );
+    }
     ensure!(
         out["throughput"]["turns"].as_u64() == Some(4)
             && out["throughput"]["turns_per_sec"].as_f64() > Some(0.0),
