@@ -2,7 +2,9 @@
 //! created by the API, the parent-to-children index, the tree walk, and cancellation by
 //! ownership (R6, R7). Every change is a revision compare-and-set.
 
-use turnstile_shared::execution::{ExecKind, ExecStatus, ExecutionRecord, Scope, StepResult};
+use turnstile_shared::execution::{
+    exec_reason, ExecKind, ExecStatus, ExecutionRecord, Scope, StepResult,
+};
 use turnstile_shared::kv::{Change, KvError};
 use turnstile_shared::lane::LaneItem;
 use turnstile_shared::records::{TurnRecord, TurnState};
@@ -149,18 +151,35 @@ pub(crate) async fn add_child(
     parent: &ExecutionId,
     child: &ExecutionId,
 ) -> Result<(), KvError> {
-    let lock = ctx.parent_lock(parent);
-    let _held = lock.lock().await;
-    let result = append_child(ctx, parent, child).await;
-    drop(_held);
-    ctx.release_parent_lock(parent, lock);
-    result
+    append_child(ctx, parent, child, false).await.map(|_| ())
 }
 
-async fn append_child(ctx: &Ctx, parent: &ExecutionId, child: &ExecutionId) -> Result<(), KvError> {
-    ctx.buckets
+/// Appends a new step to its parent's index unless the parent has ended; `false` then: the
+/// step must not start. One compare-and-set with the parent's end, which writes the same
+/// record: a child appended before that end is in the record the end's cancellation walks
+/// (R7), and one that comes after it finds the end.
+pub(crate) async fn add_live_child(
+    ctx: &Ctx,
+    parent: &ExecutionId,
+    child: &ExecutionId,
+) -> Result<bool, KvError> {
+    append_child(ctx, parent, child, true).await
+}
+
+/// Whether `child` is in the parent's index afterwards.
+async fn append_child(
+    ctx: &Ctx,
+    parent: &ExecutionId,
+    child: &ExecutionId,
+    live_only: bool,
+) -> Result<bool, KvError> {
+    let lock = ctx.parent_lock(parent);
+    let _held = lock.lock().await;
+    let result = ctx
+        .buckets
         .executions
         .modify::<ExecutionRecord, _>(parent.as_str(), |cur| match cur {
+            Some(r) if live_only && r.status.is_terminal() => Change::Keep,
             Some(r) if !r.children.contains(child) => {
                 let mut next = r.clone();
                 next.children.push(child.clone());
@@ -168,8 +187,33 @@ async fn append_child(ctx: &Ctx, parent: &ExecutionId, child: &ExecutionId) -> R
             }
             _ => Change::Keep,
         })
-        .await?;
-    Ok(())
+        .await;
+    drop(_held);
+    ctx.release_parent_lock(parent, lock);
+    Ok(result?.is_some_and(|r| r.children.contains(child)))
+}
+
+/// A step whose parent turn ended between the step's index entry and its record: that end's
+/// cancellation walk found no record to cancel, so the step is cancelled here as the walk
+/// would have (R7: `turn`-scoped work ends with its turn). Read after the record is written:
+/// either this read sees the end, or the end's walk comes after the record and sees it.
+pub(crate) async fn cancel_if_orphaned(
+    ctx: &Ctx,
+    step: &ExecutionRecord,
+) -> Result<bool, RegistryError> {
+    let Some(parent) = &step.parent else {
+        return Ok(false);
+    };
+    let Some(parent) = get(ctx, parent).await? else {
+        return Ok(false);
+    };
+    let turn = matches!(parent.kind, ExecKind::Turn | ExecKind::Delivery);
+    if !(turn && parent.status.is_terminal() && step.scope == Scope::Turn) {
+        return Ok(false);
+    }
+    let ended = Ended::cancelled(step.id.clone(), exec_reason::TURN_ENDED, None);
+    publish_end(ctx, &ended).await?;
+    Ok(true)
 }
 
 /// The turn the session's lane holds right now, read off its consumer (R1, R6): the item in

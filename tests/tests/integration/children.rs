@@ -429,3 +429,74 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
     ensure!(listed_steps(&da[0].text) == vec![mine.id.to_string()]);
     Ok(())
 }
+
+/// R7 at the edge: steps started as their turn ends (several callers starting `turn`-scoped
+/// steps back to back until they are refused) are either refused `no_turn` or cancelled with
+/// the turn; none is left queued under an ended turn (where a scheduled run holding the lane
+/// would wait on it, and the session's turns behind it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_started_as_their_turn_ends_never_outlive_it() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = started_at_the_end(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn started_at_the_end(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::execution::{exec_reason, ExecStatus};
+    let s = stack.create_session("edge", None).await?;
+    let caller = stack.caller(&s).await?;
+    let mut accepted = Vec::new();
+    for round in 0..4 {
+        let turn = stack
+            .send(&s, &format!("round {round}\n!sleep 300ms"))
+            .await?;
+        stack.wait_running(&turn).await?;
+        let starters = (0..4).map(|k| {
+            let caller = caller.clone();
+            let shared: &Stack = stack;
+            async move {
+                let mut mine = Vec::new();
+                let until = tokio::time::Instant::now() + Duration::from_secs(5);
+                for i in 0.. {
+                    let req = StartStep {
+                        caller: caller.clone(),
+                        name: format!("edge-{round}-{k}-{i}"),
+                        scope: Scope::Turn,
+                        // Nobody works this queue: only a cancel ends these steps.
+                        work: StepKind::External {
+                            queue: "nobody".into(),
+                            input: serde_json::Value::Null,
+                        },
+                        id: None,
+                    };
+                    match shared.start_step(&req).await {
+                        Ok(r) => mine.push(r.id),
+                        Err(e) if e.code == ErrorCode::NoTurn => break,
+                        Err(e) => anyhow::bail!("start {}: {e}", req.name),
+                    }
+                    if tokio::time::Instant::now() > until {
+                        break;
+                    }
+                }
+                Ok::<_, anyhow::Error>(mine)
+            }
+        });
+        for mine in futures::future::join_all(starters).await {
+            accepted.extend(mine?);
+        }
+        stack.wait_turn(&turn, Duration::from_secs(20)).await?;
+    }
+    ensure!(!accepted.is_empty(), "no start got in");
+    for id in &accepted {
+        let rec = stack
+            .wait_exec(id, Duration::from_secs(20), |r| r.status.is_terminal())
+            .await
+            .with_context(|| format!("step {id} outlived its turn"))?;
+        ensure!(
+            matches!(&rec.status, ExecStatus::Cancelled { reason, .. } if reason == exec_reason::TURN_ENDED),
+            "step {id} ended {:?}",
+            rec.status
+        );
+    }
+    Ok(())
+}

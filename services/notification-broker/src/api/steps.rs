@@ -198,10 +198,14 @@ pub(super) async fn start(
         status: ExecStatus::Queued,
     };
     // Index first, then the record: a crash between leaves a dangling index entry (skipped
-    // by the tree walk), never a child its parent does not know.
-    registry::add_child(&ctx, &placement.parent.id, &exec_id)
+    // by the tree walk), never a child its parent does not know. A parent that ended since it
+    // was placed takes no child (its end's cancellation would miss it, R7).
+    let live = registry::add_live_child(&ctx, &placement.parent.id, &exec_id)
         .await
         .map_err(ApiError::from)?;
+    if !live {
+        return Err(parent_ended(&placement.parent));
+    }
     let created = ctx
         .buckets
         .executions
@@ -214,8 +218,28 @@ pub(super) async fn start(
             format!("execution {exec_id} was registered concurrently"),
         ));
     }
+    if registry::cancel_if_orphaned(&ctx, &record)
+        .await
+        .map_err(ApiError::internal)?
+    {
+        // Its turn ended while it was registered: cancelled, its work not handed out.
+        tracing::info!(step = %record.id, "started as its turn ended; cancelled with it");
+        return Ok(record.redacted());
+    }
     dispatch(&ctx, &record, step, work).await?;
     Ok(record.redacted())
+}
+
+/// The refusal of a start whose parent ended after it was placed: for a turn, what a start
+/// outside any turn gets.
+fn parent_ended(parent: &ExecutionRecord) -> ApiError {
+    match parent.kind {
+        ExecKind::Step => ApiError::new(
+            ErrorCode::ParentEnded,
+            format!("step {} has ended; it cannot start steps", parent.id),
+        ),
+        _ => no_turn(&parent.session),
+    }
 }
 
 /// Hands a registered step's work to whoever runs it (its host's transport, a worker queue,
