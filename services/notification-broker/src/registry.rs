@@ -190,30 +190,64 @@ async fn append_child(
         .await;
     drop(_held);
     ctx.release_parent_lock(parent, lock);
-    Ok(result?.is_some_and(|r| r.children.contains(child)))
+    Ok(result?
+        .is_some_and(|r| !(live_only && r.status.is_terminal()) && r.children.contains(child)))
 }
 
-/// A step whose parent turn ended between the step's index entry and its record: that end's
+/// A step whose parent ended between the step's index entry and its record: that end's
 /// cancellation walk found no record to cancel, so the step is cancelled here as the walk
-/// would have (R7: `turn`-scoped work ends with its turn). Read after the record is written:
-/// either this read sees the end, or the end's walk comes after the record and sees it.
+/// would have (R7): under a cancelled step (what it owns is cancelled with it), or
+/// `turn`-scoped under a turn that ended, looking through `run`-scoped steps as the turn's
+/// walk does. Read after the record is written: either a read here sees the end, or the end's
+/// walk comes after the record and sees it. Also checked by a repeated start before it hands
+/// the work out again.
 pub(crate) async fn cancel_if_orphaned(
     ctx: &Ctx,
     step: &ExecutionRecord,
 ) -> Result<bool, RegistryError> {
-    let Some(parent) = &step.parent else {
+    let Some(reason) = orphaned_by(ctx, step).await? else {
         return Ok(false);
     };
-    let Some(parent) = get(ctx, parent).await? else {
-        return Ok(false);
-    };
-    let turn = matches!(parent.kind, ExecKind::Turn | ExecKind::Delivery);
-    if !(turn && parent.status.is_terminal() && step.scope == Scope::Turn) {
-        return Ok(false);
-    }
-    let ended = Ended::cancelled(step.id.clone(), exec_reason::TURN_ENDED, None);
+    let ended = Ended::cancelled(step.id.clone(), reason, None);
     publish_end(ctx, &ended).await?;
     Ok(true)
+}
+
+/// Why `step` must be cancelled at birth, if it must.
+async fn orphaned_by(
+    ctx: &Ctx,
+    step: &ExecutionRecord,
+) -> Result<Option<&'static str>, RegistryError> {
+    if step.scope == Scope::Detached {
+        return Ok(None);
+    }
+    let mut at = step.parent.clone();
+    let mut first = true;
+    for _ in 0..MAX_DEPTH {
+        let Some(id) = at else {
+            return Ok(None);
+        };
+        let Some(node) = get(ctx, &id).await? else {
+            return Ok(None);
+        };
+        match node.kind {
+            ExecKind::Step if first && matches!(node.status, ExecStatus::Cancelled { .. }) => {
+                return Ok(Some(exec_reason::PARENT_CANCELLED));
+            }
+            // The turn's walk looks through `run`-scoped steps for `turn`-scoped work; a
+            // `turn`-scoped step between is cancelled by it and cancels what it owns (checked
+            // above when it is the parent); a `detached` one is not reached.
+            ExecKind::Step if step.scope == Scope::Turn && node.scope == Scope::Run => {}
+            ExecKind::Turn | ExecKind::Delivery => {
+                let ended = step.scope == Scope::Turn && node.status.is_terminal();
+                return Ok(ended.then_some(exec_reason::TURN_ENDED));
+            }
+            _ => return Ok(None),
+        }
+        first = false;
+        at = node.parent.clone();
+    }
+    Ok(None)
 }
 
 /// The turn the session's lane holds right now, read off its consumer (R1, R6): the item in

@@ -157,7 +157,14 @@ pub(super) async fn start(
         if existing.session == placement.session.id && existing.name == req.name {
             if existing.status == ExecStatus::Queued {
                 if let Some(work) = existing.work.clone() {
-                    dispatch(&ctx, &existing, step.clone(), work).await?;
+                    // Unless the first attempt stopped before its orphan check and the
+                    // parent has ended since (see below).
+                    let orphaned = registry::cancel_if_orphaned(&ctx, &existing)
+                        .await
+                        .map_err(ApiError::internal)?;
+                    if !orphaned {
+                        dispatch(&ctx, &existing, step.clone(), work).await?;
+                    }
                 }
             }
             return Ok(existing.redacted());
@@ -222,8 +229,8 @@ pub(super) async fn start(
         .await
         .map_err(ApiError::internal)?
     {
-        // Its turn ended while it was registered: cancelled, its work not handed out.
-        tracing::info!(step = %record.id, "started as its turn ended; cancelled with it");
+        // Its parent ended while it was registered: cancelled, its work not handed out.
+        tracing::info!(step = %record.id, "started as its parent ended; cancelled with it");
         return Ok(record.redacted());
     }
     dispatch(&ctx, &record, step, work).await?;
