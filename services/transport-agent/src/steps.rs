@@ -254,11 +254,7 @@ async fn call(
     report: Report,
     shutdown: &CancellationToken,
 ) -> Option<ReportAck> {
-    let req = StepReport {
-        step: item.step.clone(),
-        token: item.token.clone(),
-        report,
-    };
+    let req = request(item, report);
     let mut delays = REPORT_RETRY.delays();
     loop {
         match send(ctx, &req).await {
@@ -275,17 +271,20 @@ async fn call(
 
 /// One heartbeat, not retried (the next tick sends another): `None` if it went unanswered.
 async fn heartbeat(ctx: &Ctx, item: &StepWorkItem) -> Option<ReportAck> {
-    let req = StepReport {
-        step: item.step.clone(),
-        token: item.token.clone(),
-        report: Report::Heartbeat,
-    };
-    send(ctx, &req)
+    send(ctx, &request(item, Report::Heartbeat))
         .await
         .inspect_err(|message| {
             tracing::warn!(step = %item.step, %message, "heartbeat unanswered; the next tick sends another")
         })
         .ok()
+}
+
+fn request(item: &StepWorkItem, report: Report) -> StepReport {
+    StepReport {
+        step: item.step.clone(),
+        token: item.token.clone(),
+        report,
+    }
 }
 
 /// One request: the broker's answer, or why it was unreachable (no reply in time, or a

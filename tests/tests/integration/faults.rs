@@ -480,12 +480,7 @@ async fn broker_killed_fast(stack: &mut Stack) -> Result<()> {
     // b1 is frozen with its pull on the ended queue registered: the oldest waiting pull, so
     // the step's end (queued by the cancel through either replica) is delivered to b1 and
     // sits there unacked.
-    let b1 = stack
-        .brokers
-        .get("b1")
-        .and_then(|p| p.pid())
-        .context("b1")?;
-    crate::stack::signal(b1, rustix::process::Signal::STOP)?;
+    stack.freeze_broker("b1")?;
     stack.spawn_broker("b2")?;
     let ends = stack
         .js
@@ -567,15 +562,7 @@ async fn broker_killed_fast(stack: &mut Stack) -> Result<()> {
     .await?;
     // The message the dead replica held went to the survivor, which recorded it and acked
     // it: the queue drains (the worker's own report of the cancel finds the end recorded).
-    wait_until("the ended queue drained", bound, || {
-        let mut ends = ends.clone();
-        async move {
-            let info = ends.info().await.map_err(|e| anyhow::anyhow!("{e}"))?;
-            Ok((info.num_ack_pending == 0 && info.num_pending == 0).then_some(()))
-        }
-    })
-    .await?;
-    Ok(())
+    stack.wait_ended_drained().await
 }
 
 /// R7 while the broker does not answer: a step's heartbeats go unanswered (its only broker
@@ -613,12 +600,7 @@ async fn cancelled_while_frozen(stack: &mut Stack) -> Result<()> {
         },
     )
     .await?;
-    let b1 = stack
-        .brokers
-        .get("b1")
-        .and_then(|p| p.pid())
-        .context("b1")?;
-    crate::stack::signal(b1, rustix::process::Signal::STOP)?;
+    stack.freeze_broker("b1")?;
     // A heartbeat has gone to the frozen broker and timed out: the runner has met a broker
     // that does not answer.
     let log = stack

@@ -716,6 +716,18 @@ impl Stack {
         Ok(pid)
     }
 
+    /// Freezes (SIGSTOP) a broker replica where it stands, as [`Stack::freeze_lane`] does a
+    /// lane replica. Returns its pid.
+    pub fn freeze_broker(&self, replica: &str) -> Result<u32> {
+        let pid = self
+            .brokers
+            .get(replica)
+            .and_then(|p| p.pid())
+            .with_context(|| format!("broker {replica}'s pid"))?;
+        signal(pid, rustix::process::Signal::STOP)?;
+        Ok(pid)
+    }
+
     /// Waits until every end on the ended queue is taken and acked, one way or the other.
     pub async fn wait_ended_drained(&self) -> Result<()> {
         let steps = self.js.get_stream(subjects::STEP_STREAM).await?;
