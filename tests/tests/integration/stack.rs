@@ -1061,6 +1061,12 @@ impl Stack {
         api::call(&self.client, &subject, req, API).await
     }
 
+    /// `turnstile cancel ID`, as the operator.
+    pub async fn cancel(&self, id: &ExecutionId) -> Result<serde_json::Value, api::ApiError> {
+        let subject = subj::exec(subj::OPERATOR, subj::CANCEL);
+        api::call(&self.client, &subject, &ExecRef { id: id.clone() }, API).await
+    }
+
     /// Waits until the kept events satisfy `pred` (re-reading the stream as it grows).
     pub async fn wait_events<T>(
         &self,
