@@ -215,6 +215,7 @@ async fn cycle(
         turn: None,
     };
     let sent: TurnRecord = api::call(client, subj::SESSION_SEND, &send, CALL).await?;
+    let sent_back = chrono::Utc::now();
     let req = StartStep {
         caller: caller.clone(),
         name: format!("soak-{n}"),
@@ -228,8 +229,16 @@ async fn cycle(
     let subject = Principal::of(caller).steps(subj::START);
     // The turn starts once it holds the lane (behind a delivery turn, maybe).
     let deadline = Instant::now() + Duration::from_secs(10);
+    // Kept for a refusal's message: when the tries were made and how long the slowest took.
+    let (mut tries, mut slowest) = (0u32, Duration::ZERO);
+    let mut first_answer = None;
     loop {
-        match api::call::<_, ExecutionRecord>(client, &subject, &req, CALL).await {
+        let at = Instant::now();
+        let answer = api::call::<_, ExecutionRecord>(client, &subject, &req, CALL).await;
+        tries += 1;
+        slowest = slowest.max(at.elapsed());
+        first_answer.get_or_insert_with(chrono::Utc::now);
+        match answer {
             Ok(_) => return Ok(()),
             Err(e) if e.code == ErrorCode::NoTurn && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -237,8 +246,10 @@ async fn cycle(
             Err(e) if e.code == ErrorCode::NoTurn => {
                 let state = turn_state(client, &sent).await;
                 let now = chrono::Utc::now();
+                let first = first_answer.map_or_else(String::new, |t| t.to_string());
                 return Err(anyhow::anyhow!(
-                    "{e} (at {now}; its turn {}, queued {}: {state})",
+                    "{e} (at {now}; its turn {}, queued {}, sent back {sent_back}: {state}; \
+                     {tries} tries, the first answered {first}, the slowest {slowest:?})",
                     sent.id,
                     sent.queued_at
                 ));
