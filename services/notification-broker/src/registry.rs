@@ -310,14 +310,48 @@ pub(crate) enum Reach {
 
 /// Cancels the live descendants of `root` that `reach` covers; returns them. Each cancelled
 /// node's own children are cancelled by the ended consumer when it records the cancel.
+///
+/// An index entry without a record is a start between its entry and its record: that start
+/// reads the parent after writing its record and cancels its own step if the parent has ended
+/// (`cancel_if_orphaned`). A start whose replica died between the two does not, so such
+/// entries are looked at again once, [`UNRECORDED_GRACE`] later (the walk's caller holds its
+/// message meanwhile: a walker that dies redelivers it).
 pub(crate) async fn cancel_under(
     ctx: &Ctx,
     root: &ExecutionRecord,
     reach: Reach,
     reason: &str,
 ) -> Result<Vec<ExecutionId>, RegistryError> {
-    let mut out = Vec::new();
-    let mut stack: Vec<ExecutionId> = root.children.clone();
+    let (mut out, unrecorded) = walk(ctx, root, root.children.clone(), reach, reason).await?;
+    if unrecorded.is_empty() {
+        return Ok(out);
+    }
+    tokio::time::sleep(UNRECORDED_GRACE).await;
+    let (late, never) = walk(ctx, root, unrecorded, reach, reason).await?;
+    if !late.is_empty() {
+        tracing::info!(root = %root.id, count = late.len(), "cancelled work recorded after the walk passed it");
+    }
+    if !never.is_empty() {
+        tracing::debug!(root = %root.id, count = never.len(), "index entries with no record (starts cut off before their record)");
+    }
+    out.extend(late);
+    Ok(out)
+}
+
+/// How long after a cancellation walk an index entry it found without a record is read again.
+/// A start writes its record milliseconds after its entry.
+const UNRECORDED_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// One pass of [`cancel_under`] from `from`: what it cancelled, and the entries with no record.
+async fn walk(
+    ctx: &Ctx,
+    root: &ExecutionRecord,
+    from: Vec<ExecutionId>,
+    reach: Reach,
+    reason: &str,
+) -> Result<(Vec<ExecutionId>, Vec<ExecutionId>), RegistryError> {
+    let (mut out, mut unrecorded) = (Vec::new(), Vec::new());
+    let mut stack = from;
     let mut seen = 0usize;
     while let Some(id) = stack.pop() {
         seen += 1;
@@ -326,6 +360,7 @@ pub(crate) async fn cancel_under(
             break;
         }
         let Some(rec) = get(ctx, &id).await? else {
+            unrecorded.push(id);
             continue;
         };
         // Turns, messages and runs are not cancelled here (a turn is not interrupted); what
@@ -349,7 +384,7 @@ pub(crate) async fn cancel_under(
         publish_end(ctx, &ended).await?;
         out.push(rec.id.clone());
     }
-    Ok(out)
+    Ok((out, unrecorded))
 }
 
 const MAX_NODES: usize = 20_000;
