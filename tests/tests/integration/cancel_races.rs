@@ -25,7 +25,7 @@ async fn steps_started_as_their_turn_ends_never_outlive_it() -> Result<()> {
 }
 
 async fn started_at_the_end(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::execution::{exec_reason, ExecStatus};
+    use turnstile_shared::execution::exec_reason;
     let s = stack.create_session("edge", None).await?;
     let caller = stack.caller(&s).await?;
     let mut accepted = Vec::new();
@@ -70,18 +70,7 @@ async fn started_at_the_end(stack: &mut Stack) -> Result<()> {
         stack.wait_turn(&turn, Duration::from_secs(20)).await?;
     }
     ensure!(!accepted.is_empty(), "no start got in");
-    for id in &accepted {
-        let rec = stack
-            .wait_exec(id, Duration::from_secs(20), |r| r.status.is_terminal())
-            .await
-            .with_context(|| format!("step {id} outlived its turn"))?;
-        ensure!(
-            matches!(&rec.status, ExecStatus::Cancelled { reason, .. } if reason == exec_reason::TURN_ENDED),
-            "step {id} ended {:?}",
-            rec.status
-        );
-    }
-    Ok(())
+    all_cancelled(stack, &accepted, exec_reason::TURN_ENDED).await
 }
 
 /// R7 at the edge, for a step's children: children started by a step as it is cancelled are
@@ -127,18 +116,55 @@ async fn step_caller(stack: &Stack, step: &StepId) -> Result<Caller> {
     })
 }
 
-/// Waits until every step in `ids` has ended cancelled with `reason`.
+/// Waits until every step in `ids` has ended (30 s at most), then checks that each ended
+/// cancelled with `reason`. The records are read, not watched: a watch is a consumer on the
+/// bucket's stream, and a thousand steps watched one after another can pass the server's
+/// default of 1,000 consumers a stream before the ones already dropped are gone.
 async fn all_cancelled(stack: &Stack, ids: &[ExecutionId], reason: &str) -> Result<()> {
+    use std::sync::Mutex;
     use turnstile_shared::execution::ExecStatus;
-    for id in ids {
-        let rec = stack
-            .wait_exec(id, Duration::from_secs(20), |r| r.status.is_terminal())
-            .await
-            .with_context(|| format!("step {id} outlived its parent"))?;
+    let left = Mutex::new(ids.to_vec());
+    let ended = Mutex::new(Vec::new());
+    let (left_ref, ended_ref) = (&left, &ended);
+    let waited = turnstile_tests::wait_until(
+        "every step ended",
+        Duration::from_secs(30),
+        move || async move {
+            let pending = left_ref
+                .lock()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?
+                .clone();
+            let mut still = Vec::new();
+            for id in pending {
+                match stack.exec(&id).await? {
+                    Some(r) if r.status.is_terminal() => ended_ref
+                        .lock()
+                        .map_err(|_| anyhow::anyhow!("poisoned"))?
+                        .push((id, r.status)),
+                    _ => still.push(id),
+                }
+            }
+            let done = still.is_empty();
+            *left_ref.lock().map_err(|_| anyhow::anyhow!("poisoned"))? = still;
+            Ok(done.then_some(()))
+        },
+    )
+    .await;
+    let left = left.into_inner().map_err(|_| anyhow::anyhow!("poisoned"))?;
+    waited.with_context(|| {
+        format!(
+            "{} of {} steps outlived their parent: {left:?}",
+            left.len(),
+            ids.len()
+        )
+    })?;
+    for (id, status) in ended
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+    {
         ensure!(
-            matches!(&rec.status, ExecStatus::Cancelled { reason: r, .. } if r == reason),
-            "step {id} ended {:?}, not cancelled {reason}",
-            rec.status
+            matches!(&status, ExecStatus::Cancelled { reason: r, .. } if r == reason),
+            "step {id} ended {status:?}, not cancelled {reason}"
         );
     }
     Ok(())
@@ -309,14 +335,19 @@ async fn cut_off_start(stack: &Stack) -> Result<()> {
         }
     }
     ensure!(indexed, "could not index the step under the turn");
-    // The turn ends; its walk cancels the witness and meets the entry with no record.
-    all_cancelled(
-        stack,
-        std::slice::from_ref(&witness),
-        exec_reason::TURN_ENDED,
-    )
-    .await
-    .context("the witness")?;
+    // The turn ends; its walk cancels the witness and meets the entry with no record. (A
+    // watch, not a poll: the record below must come within the walk's 2 s second look.)
+    let w = stack
+        .wait_exec(&witness, Duration::from_secs(20), |r| {
+            r.status.is_terminal()
+        })
+        .await
+        .context("the witness outlived its turn")?;
+    ensure!(
+        matches!(&w.status, ExecStatus::Cancelled { reason, .. } if reason == exec_reason::TURN_ENDED),
+        "the witness ended {:?}",
+        w.status
+    );
     // The dead start's second write, after the walk passed it: the record, queued, its work
     // never handed out. Nobody else will end it.
     let record = ExecutionRecord {
