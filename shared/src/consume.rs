@@ -101,7 +101,7 @@ where
     }
 }
 
-/// Runs `work`, acking the message's progress (`+WIP` to its reply subject) every `every`
+/// Runs `work`, acking the message's progress (a progress ack to its reply subject) every `every`
 /// until it ends: in the handler's own task, so a message handled at once costs nothing more.
 async fn with_progress(
     work: impl Future<Output = ()>,
@@ -116,7 +116,11 @@ async fn with_progress(
             biased;
             _ = &mut work => return,
             _ = tick.tick() => {
-                if let Err(e) = client.publish(reply.clone(), "+WIP".into()).await {
+                // The client's own spelling of a progress ack: the server ignores any other
+                // (a hand-written "+WIP" was, and every handler longer than the ack wait had
+                // its message redelivered to a second handler meanwhile).
+                let wip = bytes::Bytes::from(async_nats::jetstream::AckKind::Progress);
+                if let Err(e) = client.publish(reply.clone(), wip).await {
                     tracing::debug!(error = %e, "progress ack");
                 }
             }

@@ -308,47 +308,83 @@ pub(crate) enum Reach {
     TurnScoped,
 }
 
-/// Cancels the live descendants of `root` that `reach` covers; returns them. Each cancelled
-/// node's own children are cancelled by the ended consumer when it records the cancel.
-///
-/// An index entry without a record is a start between its entry and its record: that start
-/// reads the parent after writing its record and cancels its own step if the parent has ended
-/// (`cancel_if_orphaned`). A start whose replica died between the two does not, so such
-/// entries are looked at again once, [`UNRECORDED_GRACE`] later (the walk's caller holds its
-/// message meanwhile: a walker that dies redelivers it).
+/// What a cancellation walk did.
+pub(crate) struct Walked {
+    /// The nodes it cancelled.
+    pub cancelled: Vec<ExecutionId>,
+    /// Index entries it met with no record yet: see [`recheck_unrecorded`].
+    pub unrecorded: Vec<ExecutionId>,
+}
+
+/// Cancels the live descendants of `root` that `reach` covers. Each cancelled node's own
+/// children are cancelled by the ended consumer when it records the cancel.
 pub(crate) async fn cancel_under(
     ctx: &Ctx,
     root: &ExecutionRecord,
     reach: Reach,
     reason: &str,
-) -> Result<Vec<ExecutionId>, RegistryError> {
-    let (mut out, unrecorded) = walk(ctx, root, root.children.clone(), reach, reason).await?;
-    if unrecorded.is_empty() {
-        return Ok(out);
-    }
-    tokio::time::sleep(UNRECORDED_GRACE).await;
-    let (late, never) = walk(ctx, root, unrecorded, reach, reason).await?;
-    if !late.is_empty() {
-        tracing::info!(root = %root.id, count = late.len(), "cancelled work recorded after the walk passed it");
-    }
-    if !never.is_empty() {
-        tracing::debug!(root = %root.id, count = never.len(), "index entries with no record (starts cut off before their record)");
-    }
-    out.extend(late);
-    Ok(out)
+) -> Result<Walked, RegistryError> {
+    let (cancelled, unrecorded) =
+        walk(ctx, &root.id, root.children.clone(), reach, reason, true).await?;
+    Ok(Walked {
+        cancelled,
+        unrecorded,
+    })
 }
 
-/// How long after a cancellation walk an index entry it found without a record is read again.
+/// The second look at the index entries a walk met with no record. Such an entry is a step
+/// start between its entry and its record; the start reads the parent after writing its
+/// record and cancels its own step if the parent has ended (`cancel_if_orphaned`), unless its
+/// broker replica died between the two. So, [`UNRECORDED_GRACE`] after the walk, a step
+/// recorded since is cancelled here as the walk would have. A start that takes longer than
+/// that and then dies is not covered (nor is this look, if its own replica dies first: the
+/// mirror and ended consumers hold their message until it is done, so theirs is redelivered;
+/// an operator's cancel is not). Only steps are looked at: a turn, whose record comes only
+/// when it runs, is not the walk's to follow once it starts later. Returns what it cancelled.
+pub(crate) async fn recheck_unrecorded(
+    ctx: &Ctx,
+    root: &ExecutionId,
+    unrecorded: Vec<ExecutionId>,
+    reach: Reach,
+    reason: &str,
+) -> Vec<ExecutionId> {
+    if unrecorded.is_empty() {
+        return Vec::new();
+    }
+    tokio::time::sleep(UNRECORDED_GRACE).await;
+    match walk(ctx, root, unrecorded, reach, reason, false).await {
+        Ok((late, never)) => {
+            if !late.is_empty() {
+                tracing::info!(%root, count = late.len(), "{LATE_CANCELLED}");
+            }
+            if !never.is_empty() {
+                tracing::debug!(%root, count = never.len(), "index entries with no record (starts cut off before their record)");
+            }
+            late
+        }
+        Err(e) => {
+            tracing::warn!(%root, error = %e, "second look at unrecorded index entries");
+            Vec::new()
+        }
+    }
+}
+
+/// Logged when the second look cancels something: a start whose own check did not run.
+pub(crate) const LATE_CANCELLED: &str = "cancelled a step recorded after the walk passed its entry";
+
+/// How long after a cancellation walk an index entry it met without a record is read again.
 /// A start writes its record milliseconds after its entry.
 const UNRECORDED_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// One pass of [`cancel_under`] from `from`: what it cancelled, and the entries with no record.
+/// One pass from `from`: what it cancelled, and the entries with no record. `whole`: follow
+/// every kind of node (the first pass); otherwise steps only (the second look).
 async fn walk(
     ctx: &Ctx,
-    root: &ExecutionRecord,
+    root: &ExecutionId,
     from: Vec<ExecutionId>,
     reach: Reach,
     reason: &str,
+    whole: bool,
 ) -> Result<(Vec<ExecutionId>, Vec<ExecutionId>), RegistryError> {
     let (mut out, mut unrecorded) = (Vec::new(), Vec::new());
     let mut stack = from;
@@ -356,7 +392,7 @@ async fn walk(
     while let Some(id) = stack.pop() {
         seen += 1;
         if seen > MAX_NODES {
-            tracing::warn!(root = %root.id, "cancellation walk stopped at {MAX_NODES} nodes");
+            tracing::warn!(%root, "cancellation walk stopped at {MAX_NODES} nodes");
             break;
         }
         let Some(rec) = get(ctx, &id).await? else {
@@ -366,7 +402,9 @@ async fn walk(
         // Turns, messages and runs are not cancelled here (a turn is not interrupted); what
         // they started is.
         if rec.kind != ExecKind::Step {
-            stack.extend(rec.children.iter().cloned());
+            if whole {
+                stack.extend(rec.children.iter().cloned());
+            }
             continue;
         }
         match (rec.scope, reach) {

@@ -54,11 +54,22 @@ async fn on_turn(ctx: &Ctx, turn: &TurnRecord) -> Result<(), registry::RegistryE
         return Ok(());
     };
     if turn.state.is_terminal() {
-        let cancelled =
+        let walked =
             registry::cancel_under(ctx, &node, Reach::TurnScoped, exec_reason::TURN_ENDED).await?;
-        if !cancelled.is_empty() {
-            tracing::info!(turn = %turn.id, count = cancelled.len(), "turn ended; its turn-scoped work is cancelled");
+        if !walked.cancelled.is_empty() {
+            tracing::info!(turn = %turn.id, count = walked.cancelled.len(), "turn ended; its turn-scoped work is cancelled");
         }
+        // This turn's end is acked only after the second look (a replica that dies before
+        // then leaves it to be redelivered).
+        let unrecorded = walked.unrecorded;
+        registry::recheck_unrecorded(
+            ctx,
+            &node.id,
+            unrecorded,
+            Reach::TurnScoped,
+            exec_reason::TURN_ENDED,
+        )
+        .await;
     }
     Ok(())
 }

@@ -281,6 +281,10 @@ async fn started_under_run_work_after_its_turn(stack: &Stack) -> Result<()> {
     Ok(())
 }
 
+/// What the broker logs when the second look at a walk's unrecorded index entries cancels a
+/// step (`registry::LATE_CANCELLED`).
+const LATE_CANCELLED: &str = "cancelled a step recorded after the walk passed its entry";
+
 /// R7 when a start is cut off half-way: a broker replica that dies between a step's record and
 /// its own check of the parent (`cancel_if_orphaned`) leaves a queued step under a turn whose
 /// end's walk met its index entry before the record existed. The walk looks at such entries
@@ -298,7 +302,7 @@ async fn cut_off_start(stack: &Stack) -> Result<()> {
     use turnstile_shared::execution::StepWork;
     use turnstile_shared::execution::{exec_reason, ExecKind, ExecStatus, ExecutionRecord};
     let s = stack.create_session("cut-off", None).await?;
-    let turn = stack.send(&s, "start work, then end\n!sleep 1s").await?;
+    let turn = stack.send(&s, "start work, then end\n!sleep 3s").await?;
     stack.wait_running(&turn).await?;
     let caller = stack.caller(&s).await?;
     // A step started whole: its cancellation shows that the turn's walk has passed.
@@ -335,8 +339,10 @@ async fn cut_off_start(stack: &Stack) -> Result<()> {
         }
     }
     ensure!(indexed, "could not index the step under the turn");
-    // The turn ends; its walk cancels the witness and meets the entry with no record. (A
-    // watch, not a poll: the record below must come within the walk's 2 s second look.)
+    // The turn ends; its walk cancels the witness and meets the entry with no record (the
+    // entry is read before the witness: the walk takes the index from its end; and even the
+    // other way round, the record below comes only after the witness's cancel is recorded).
+    // A watch, not a poll: the record must come within the walk's 2 s second look.
     let w = stack
         .wait_exec(&witness, Duration::from_secs(20), |r| {
             r.status.is_terminal()
@@ -373,5 +379,10 @@ async fn cut_off_start(stack: &Stack) -> Result<()> {
     all_cancelled(stack, std::slice::from_ref(&step), exec_reason::TURN_ENDED)
         .await
         .context("the cut-off step, queued under its ended turn")?;
+    // By the walk's second look (`registry::recheck_unrecorded`), as the broker says.
+    ensure!(
+        stack.logs().contains(LATE_CANCELLED),
+        "no second look cancelled the step"
+    );
     Ok(())
 }

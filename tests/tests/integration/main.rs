@@ -10,6 +10,7 @@ mod cancel_races;
 mod children;
 mod claude;
 mod codex;
+mod consume;
 mod dashboard;
 mod delivery;
 mod deployed;

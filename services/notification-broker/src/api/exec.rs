@@ -87,9 +87,26 @@ pub(super) async fn cancel(
             }
         }
         ExecKind::Turn | ExecKind::Delivery | ExecKind::Run | ExecKind::Message => {
-            cancelled = registry::cancel_under(&ctx, &record, Reach::Owned, exec_reason::CANCELLED)
-                .await
-                .map_err(ApiError::internal)?;
+            let walked =
+                registry::cancel_under(&ctx, &record, Reach::Owned, exec_reason::CANCELLED)
+                    .await
+                    .map_err(ApiError::internal)?;
+            cancelled = walked.cancelled;
+            // The second look goes on after the answer (a run's end cancels turn after turn).
+            if !walked.unrecorded.is_empty() {
+                let (ctx, root) = (ctx.clone(), record.id.clone());
+                tokio::spawn(async move {
+                    let unrecorded = walked.unrecorded;
+                    registry::recheck_unrecorded(
+                        &ctx,
+                        &root,
+                        unrecorded,
+                        Reach::Owned,
+                        exec_reason::CANCELLED,
+                    )
+                    .await;
+                });
+            }
         }
     }
     Ok(Cancelled { cancelled })

@@ -191,6 +191,7 @@ async fn finish_end(
         _ => EventKind::StepCancelled,
     };
     observe_step_end(&record);
+    let mut unrecorded = Vec::new();
     if let (ExecStatus::Cancelled { .. }, Some(step)) = (&record.status, record.step_id()) {
         // Tell the worker now (it also learns from its next heartbeat), then what it owns.
         if let Err(e) = ctx
@@ -200,7 +201,10 @@ async fn finish_end(
         {
             tracing::debug!(%step, error = %e, "cancel notice");
         }
-        registry::cancel_under(ctx, &record, Reach::Owned, exec_reason::PARENT_CANCELLED).await?;
+        let walked =
+            registry::cancel_under(ctx, &record, Reach::Owned, exec_reason::PARENT_CANCELLED)
+                .await?;
+        unrecorded = walked.unrecorded;
     }
     // Events go out on the way and are confirmed before the end is acked. The step's own
     // goes out once the first lane item is (it would queue ahead of the completion's write
@@ -216,6 +220,15 @@ async fn finish_end(
     for ack in acks {
         ack.await?;
     }
+    // Last, once the end is routed (the end is acked after it: see `recheck_unrecorded`).
+    registry::recheck_unrecorded(
+        ctx,
+        &record.id,
+        unrecorded,
+        Reach::Owned,
+        exec_reason::PARENT_CANCELLED,
+    )
+    .await;
     Ok(())
 }
 
