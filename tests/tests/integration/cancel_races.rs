@@ -116,55 +116,22 @@ async fn step_caller(stack: &Stack, step: &StepId) -> Result<Caller> {
     })
 }
 
-/// Waits until every step in `ids` has ended (30 s at most), then checks that each ended
+/// Waits until every step in `ids` has ended (30 s at most each), then checks that it ended
 /// cancelled with `reason`. The records are read, not watched: a watch is a consumer on the
 /// bucket's stream, and a thousand steps watched one after another can pass the server's
 /// default of 1,000 consumers a stream before the ones already dropped are gone.
 async fn all_cancelled(stack: &Stack, ids: &[ExecutionId], reason: &str) -> Result<()> {
-    use std::sync::Mutex;
     use turnstile_shared::execution::ExecStatus;
-    let left = Mutex::new(ids.to_vec());
-    let ended = Mutex::new(Vec::new());
-    let (left_ref, ended_ref) = (&left, &ended);
-    let waited = turnstile_tests::wait_until(
-        "every step ended",
-        Duration::from_secs(30),
-        move || async move {
-            let pending = left_ref
-                .lock()
-                .map_err(|_| anyhow::anyhow!("poisoned"))?
-                .clone();
-            let mut still = Vec::new();
-            for id in pending {
-                match stack.exec(&id).await? {
-                    Some(r) if r.status.is_terminal() => ended_ref
-                        .lock()
-                        .map_err(|_| anyhow::anyhow!("poisoned"))?
-                        .push((id, r.status)),
-                    _ => still.push(id),
-                }
-            }
-            let done = still.is_empty();
-            *left_ref.lock().map_err(|_| anyhow::anyhow!("poisoned"))? = still;
-            Ok(done.then_some(()))
-        },
-    )
-    .await;
-    let left = left.into_inner().map_err(|_| anyhow::anyhow!("poisoned"))?;
-    waited.with_context(|| {
-        format!(
-            "{} of {} steps outlived their parent: {left:?}",
-            left.len(),
-            ids.len()
-        )
-    })?;
-    for (id, status) in ended
-        .into_inner()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?
-    {
+    for id in ids {
+        let what = format!("step {id} to end (it must not outlive its parent)");
+        let rec = turnstile_tests::wait_until(&what, Duration::from_secs(30), || async {
+            Ok(stack.exec(id).await?.filter(|r| r.status.is_terminal()))
+        })
+        .await?;
         ensure!(
-            matches!(&status, ExecStatus::Cancelled { reason: r, .. } if r == reason),
-            "step {id} ended {status:?}, not cancelled {reason}"
+            matches!(&rec.status, ExecStatus::Cancelled { reason: r, .. } if r == reason),
+            "step {id} ended {:?}, not cancelled {reason}",
+            rec.status
         );
     }
     Ok(())
@@ -301,6 +268,7 @@ async fn a_start_cut_off_before_its_check_is_cancelled_by_the_walk() -> Result<(
 async fn cut_off_start(stack: &Stack) -> Result<()> {
     use turnstile_shared::execution::StepWork;
     use turnstile_shared::execution::{exec_reason, ExecKind, ExecStatus, ExecutionRecord};
+    use turnstile_shared::kv::Change;
     let s = stack.create_session("cut-off", None).await?;
     let turn = stack.send(&s, "start work, then end\n!sleep 3s").await?;
     stack.wait_running(&turn).await?;
@@ -313,32 +281,26 @@ async fn cut_off_start(stack: &Stack) -> Result<()> {
         .id;
     let turn_x = ExecutionId::from(&turn);
     let step = ExecutionId::from(&StepId::new());
-    let kv = stack
-        .js_as("notification-broker")
-        .await?
-        .get_key_value(turnstile_shared::subjects::EXECUTIONS_BUCKET)
-        .await?;
+    let buckets =
+        turnstile_shared::topology::bind(&stack.js_as("notification-broker").await?).await?;
     // The dead start's first write: its entry in the running turn's index.
-    let mut indexed = false;
-    for _ in 0..10 {
-        let entry = kv
-            .entry(turn_x.as_str())
-            .await?
-            .context("the turn's node")?;
-        let mut node: ExecutionRecord = serde_json::from_slice(&entry.value)?;
-        ensure!(!node.status.is_terminal(), "the turn ended too soon");
-        node.children.push(step.clone());
-        let body = serde_json::to_vec(&node)?;
-        if kv
-            .update(turn_x.as_str(), body.into(), entry.revision)
-            .await
-            .is_ok()
-        {
-            indexed = true;
-            break;
-        }
-    }
-    ensure!(indexed, "could not index the step under the turn");
+    let node = buckets
+        .executions
+        .modify::<ExecutionRecord, _>(turn_x.as_str(), |cur| match cur {
+            Some(r) if !r.status.is_terminal() => {
+                let mut next = r.clone();
+                next.children.push(step.clone());
+                Change::Write(next)
+            }
+            _ => Change::Keep,
+        })
+        .await?
+        .context("the turn's node")?;
+    ensure!(
+        node.children.contains(&step),
+        "the turn ended too soon: {:?}",
+        node.status
+    );
     // The turn ends; its walk cancels the witness and meets the entry with no record (the
     // entry is read before the witness: the walk takes the index from its end; and even the
     // other way round, the record below comes only after the witness's cancel is recorded).
@@ -374,8 +336,11 @@ async fn cut_off_start(stack: &Stack) -> Result<()> {
         children: Vec::new(),
         status: ExecStatus::Queued,
     };
-    kv.create(step.as_str(), serde_json::to_vec(&record)?.into())
-        .await?;
+    buckets
+        .executions
+        .create(step.as_str(), &record)
+        .await?
+        .context("the step's record was there already")?;
     all_cancelled(stack, std::slice::from_ref(&step), exec_reason::TURN_ENDED)
         .await
         .context("the cut-off step, queued under its ended turn")?;

@@ -707,25 +707,15 @@ impl Stack {
     /// Freezes (SIGSTOP) a session-lane replica where it stands: it keeps its connection and
     /// whatever it was handed, and acts on nothing. Returns its pid, to kill or resume it.
     pub fn freeze_lane(&self, replica: &str) -> Result<u32> {
-        let pid = self
-            .lanes
-            .get(replica)
-            .and_then(|p| p.pid())
-            .with_context(|| format!("replica {replica}'s pid"))?;
-        signal(pid, rustix::process::Signal::STOP)?;
-        Ok(pid)
+        let pid = self.lanes.get(replica).and_then(|p| p.pid());
+        freeze(pid, &format!("replica {replica}"))
     }
 
     /// Freezes (SIGSTOP) a broker replica where it stands, as [`Stack::freeze_lane`] does a
     /// lane replica. Returns its pid.
     pub fn freeze_broker(&self, replica: &str) -> Result<u32> {
-        let pid = self
-            .brokers
-            .get(replica)
-            .and_then(|p| p.pid())
-            .with_context(|| format!("broker {replica}'s pid"))?;
-        signal(pid, rustix::process::Signal::STOP)?;
-        Ok(pid)
+        let pid = self.brokers.get(replica).and_then(|p| p.pid());
+        freeze(pid, &format!("broker {replica}"))
     }
 
     /// Waits until every end on the ended queue is taken and acked, one way or the other.
@@ -1113,6 +1103,13 @@ pub fn listed_steps(message: &str) -> Vec<String> {
 }
 
 /// Sends a signal to one process (`STOP` freezes a service between two of its writes).
+/// SIGSTOP to `who`'s process, whose pid is known if it runs; returns the pid.
+fn freeze(pid: Option<u32>, who: &str) -> Result<u32> {
+    let pid = pid.with_context(|| format!("{who}'s pid"))?;
+    signal(pid, rustix::process::Signal::STOP)?;
+    Ok(pid)
+}
+
 pub fn signal(pid: u32, sig: rustix::process::Signal) -> Result<()> {
     let raw = i32::try_from(pid)?;
     anyhow::ensure!(raw > 1, "refusing to signal pid {pid}");
