@@ -70,7 +70,7 @@ pub async fn measure(d: &Deployment, n: usize) -> Result<serde_json::Value> {
         let req = StartStep {
             caller: caller.clone(),
             name: format!("bench-{i}"),
-            scope: Scope::Run,
+            scope: Scope::Session,
             work: StepKind::External {
                 queue: "bench".into(),
                 input: serde_json::Value::Null,

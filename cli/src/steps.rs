@@ -29,8 +29,10 @@ pub enum StepCommand {
     Start {
         #[arg(long)]
         name: String,
-        /// `turn` (dies with the turn), `run` (lives until its run ends) or `detached`.
-        #[arg(long, default_value = "turn")]
+        /// `session` (the default: outlives this turn; ends when it finishes, its run fails or
+        /// the session stops), `turn` (dies with this turn however it ends) or `detached`
+        /// (independent; you are told of its end). `run` is read as `session`.
+        #[arg(long, default_value = "session")]
         scope: Scope,
         /// `command` (run CMD on the session's host), `external` (for a worker on --queue) or
         /// `agent` (a background agent working on --prompt).

@@ -216,7 +216,7 @@ mod tests {
         assert_eq!(
             parse_line("!step b 1 --scope x"),
             Line::Note(
-                r#"invalid directive: !step b 1 --scope x (unknown scope "x"; use turn, run or detached)"#
+                r#"invalid directive: !step b 1 --scope x (unknown scope "x"; use turn, session or detached)"#
                     .into()
             )
         );

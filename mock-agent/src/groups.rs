@@ -34,7 +34,7 @@ impl Plan {
         let duration = duration::parse(tokens.next().ok_or("missing duration")?)
             .map_err(|e| format!("duration: {e}"))?;
         let scope = match (tokens.next(), tokens.next()) {
-            (None, _) => StepScope::Run,
+            (None, _) => StepScope::Session,
             (Some("--scope"), Some(s)) => StepScope::parse(s).ok_or(format!("bad scope {s:?}"))?,
             (Some(other), _) => return Err(format!("unexpected {other:?}")),
         };
@@ -102,7 +102,7 @@ mod tests {
     #[test]
     fn plan_starts_each_group_once_and_persists() {
         let mut p = Plan::parse("3 500ms").expect("plan");
-        assert_eq!(p.scope, StepScope::Run);
+        assert_eq!(p.scope, StepScope::Session);
         let names: Vec<String> = std::iter::from_fn(|| p.next_step().map(|s| s.name)).collect();
         assert_eq!(names, ["group-1", "group-2", "group-3"]);
         assert!(p.next_step().is_none());

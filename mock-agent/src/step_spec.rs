@@ -20,6 +20,9 @@ pub enum StepOutcome {
 #[strum(serialize_all = "lowercase")]
 pub enum StepScope {
     Turn,
+    /// The CLI's default: outlives the turn until it ends or its session stops.
+    Session,
+    /// The older name of `session`, passed on as given.
     Run,
     Detached,
 }
@@ -38,7 +41,7 @@ impl StepScope {
 /// The arguments of a `!step` directive.
 ///
 /// Grammar (whitespace-separated tokens): `NAME DURATION [ok|fail]` as positionals in that order,
-/// with `--scope turn|run|detached` and `--count N` (or `--scope=S`, `--count=N`) anywhere among them.
+/// with `--scope turn|session|detached` and `--count N` (or `--scope=S`, `--count=N`) anywhere among them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepSpec {
     /// The step name (`--name`); one token, not starting with `-`.
@@ -82,7 +85,7 @@ impl StepSpec {
                     return Err("--scope given twice".to_string());
                 }
                 scope = Some(StepScope::parse(value).ok_or_else(|| {
-                    format!("unknown scope {value:?}; use turn, run or detached")
+                    format!("unknown scope {value:?}; use turn, session or detached")
                 })?);
             } else {
                 if count.is_some() {
@@ -221,6 +224,7 @@ mod tests {
     fn step_scope_and_count() {
         for (word, scope) in [
             ("turn", StepScope::Turn),
+            ("session", StepScope::Session),
             ("run", StepScope::Run),
             ("detached", StepScope::Detached),
         ] {
@@ -325,8 +329,8 @@ mod tests {
         assert_eq!(step_error("b 1 --scope"), "--scope needs a value");
         assert_eq!(step_error("b 1 --scope="), "--scope needs a value");
         assert_eq!(
-            step_error("b 1 --scope session"),
-            r#"unknown scope "session"; use turn, run or detached"#
+            step_error("b 1 --scope forever"),
+            r#"unknown scope "forever"; use turn, session or detached"#
         );
         assert_eq!(
             step_error("b 1 --scope run --scope turn"),

@@ -39,11 +39,16 @@ pub enum ExecKind {
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case", parse_err_ty = String, parse_err_fn = unknown_scope)]
 pub enum Scope {
-    /// Dies with the turn that started it, however that turn ends.
-    #[default]
+    /// Dies with the turn that started it, however that turn ends: work that is part of the
+    /// turn itself, asked for explicitly.
     Turn,
-    /// Lives until its run ends or it is cancelled; outlives the turn that started it.
-    Run,
+    /// The default: outlives the turn that started it, and lives until it ends, it is
+    /// cancelled, the run it was started in fails, or its owner session stops. Spelled `run`
+    /// by older builds and clients, which is still read as this.
+    #[default]
+    #[serde(alias = "run")]
+    #[strum(to_string = "session", serialize = "run")]
+    Session,
     /// Independent; its launcher only watches it and receives its completion.
     Detached,
 }
@@ -196,6 +201,8 @@ pub mod exec_reason {
     pub const SPAWN_FAILED: &str = "spawn_failed";
     /// The worker that held a step died with it; it is never run a second time (R14).
     pub const WORKER_LOST: &str = "worker_lost";
+    /// Its owner session was stopped (`session`-scoped work, R7).
+    pub const SESSION_STOPPED: &str = "session_stopped";
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -365,7 +372,7 @@ mod tests {
                 kind: ExecKind::Step,
                 name: "x".into(),
                 parent: None,
-                scope: Scope::Run,
+                scope: Scope::Session,
                 session: SessionId::new(),
                 owner: None,
                 watchers: vec![],
@@ -405,5 +412,24 @@ mod tests {
         assert_eq!(back, s);
         assert!("bogus".parse::<Scope>().is_err());
         assert_eq!("detached".parse::<Scope>(), Ok(Scope::Detached));
+    }
+
+    #[test]
+    fn scope_defaults_to_session_and_reads_the_older_run() {
+        assert_eq!(Scope::default(), Scope::Session);
+        assert_eq!(Scope::Session.to_string(), "session");
+        assert_eq!("run".parse::<Scope>(), Ok(Scope::Session));
+        assert_eq!("session".parse::<Scope>(), Ok(Scope::Session));
+        let json = serde_json::to_value(Scope::Session).expect("json");
+        assert_eq!(json, "session");
+        let older: Scope = serde_json::from_value(serde_json::json!("run")).expect("older");
+        assert_eq!(older, Scope::Session);
+        let start: crate::step_api::StartStep = serde_json::from_value(serde_json::json!({
+            "caller": {"session": crate::SessionId::new(), "token": "t"},
+            "name": "n",
+            "work": {"kind": "command", "argv": ["true"]},
+        }))
+        .expect("a start without a scope");
+        assert_eq!(start.scope, Scope::Session);
     }
 }

@@ -69,7 +69,17 @@ pub struct ApiLabel {
     pub api: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    /// Which in-process per-session map (`completion_consumers`, `session_specs`, ...).
+    pub map: &'static str,
+}
+
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Reads the size of one in-process map when the metrics are encoded; `None` once its owner
+/// is gone (the probe is then dropped).
+type Probe = Box<dyn Fn() -> Option<usize> + Send + Sync>;
 
 /// Every family, registered once per process.
 pub struct Metrics {
@@ -89,6 +99,10 @@ pub struct Metrics {
     pub hosts_alive: Gauge,
     pub terminals_died: Counter,
     pub auth_refusals: Family<ApiLabel, Counter>,
+    /// Entries of each per-session map a service keeps in memory (R13: a stopped session
+    /// leaves none behind), read from the maps at each scrape.
+    pub session_state: Family<StateLabel, Gauge>,
+    probes: std::sync::Mutex<Vec<(&'static str, Probe)>>,
 }
 
 fn seconds() -> Histogram {
@@ -114,6 +128,8 @@ impl Metrics {
             hosts_alive: Gauge::default(),
             terminals_died: Counter::default(),
             auth_refusals: Family::default(),
+            session_state: Family::default(),
+            probes: std::sync::Mutex::default(),
             registry: Registry::default(),
         };
         let r = &mut m.registry;
@@ -192,11 +208,48 @@ impl Metrics {
             "Calls refused for their credentials, by API",
             m.auth_refusals.clone(),
         );
+        r.register(
+            "turnstile_session_state_entries",
+            "Entries of each in-process per-session map, by map",
+            m.session_state.clone(),
+        );
         m
+    }
+
+    /// Registers `probe` as the size of the per-session map `map`, read at each encode (the
+    /// sizes of maps of one name are summed, for several services in one process).
+    pub fn probe(&self, map: &'static str, probe: impl Fn() -> Option<usize> + Send + Sync + 'static) {
+        if let Ok(mut probes) = self.probes.lock() {
+            probes.push((map, Box::new(probe)));
+        }
+        let _ = self.session_state.get_or_create(&StateLabel { map });
+    }
+
+    fn read_probes(&self) {
+        let Ok(mut probes) = self.probes.lock() else {
+            return;
+        };
+        let mut sizes: std::collections::HashMap<&'static str, usize> = Default::default();
+        probes.retain(|(map, probe)| match probe() {
+            Some(n) => {
+                *sizes.entry(map).or_default() += n;
+                true
+            }
+            None => {
+                sizes.entry(map).or_default();
+                false
+            }
+        });
+        for (map, n) in sizes {
+            self.session_state
+                .get_or_create(&StateLabel { map })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
     }
 
     /// The exposition of every family (OpenMetrics text).
     pub fn encode(&self) -> String {
+        self.read_probes();
         let mut out = String::new();
         if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
             tracing::warn!(error = %e, "encode metrics");
@@ -245,5 +298,32 @@ mod tests {
         );
         assert!(text.contains("turnstile_handoff_seconds_count 1"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn probes_are_read_at_each_encode_and_summed_by_map() {
+        let m = Metrics::new();
+        let size = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(3));
+        let read = size.clone();
+        m.probe("specs", move || {
+            Some(read.load(std::sync::atomic::Ordering::Relaxed))
+        });
+        m.probe("specs", || Some(2));
+        let owner = std::sync::Arc::new(());
+        let weak = std::sync::Arc::downgrade(&owner);
+        m.probe("gone", move || weak.upgrade().map(|_| 7));
+        let line = |text: &str, map: &str| {
+            let prefix = format!("turnstile_session_state_entries{{map=\"{map}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix).map(str::to_string))
+        };
+        let text = m.encode();
+        assert_eq!(line(&text, "specs").as_deref(), Some("5"), "{text}");
+        assert_eq!(line(&text, "gone").as_deref(), Some("7"), "{text}");
+        size.store(0, std::sync::atomic::Ordering::Relaxed);
+        drop(owner);
+        let text = m.encode();
+        assert_eq!(line(&text, "specs").as_deref(), Some("2"), "{text}");
+        assert_eq!(line(&text, "gone").as_deref(), Some("0"), "{text}");
     }
 }

@@ -4,7 +4,7 @@
 
 use strum::VariantNames;
 
-/// `unknown scope "x" (known: turn, run, detached)`.
+/// `unknown scope "x" (known: turn, session, detached)`.
 pub fn unknown<T: VariantNames>(what: &str, found: &str) -> String {
     format!(
         "unknown {what} {found:?} (known: {})",
@@ -35,7 +35,7 @@ mod tests {
         assert_eq!(Scope::Detached.to_string(), "detached");
         assert_eq!(
             "forever".parse::<Scope>(),
-            Err("unknown scope \"forever\" (known: turn, run, detached)".to_string())
+            Err("unknown scope \"forever\" (known: turn, session, detached)".to_string())
         );
         assert_eq!(
             "bogus".parse::<Overlap>(),

@@ -253,6 +253,9 @@ impl Role {
                         // is removed from the ended queue before another replica records it
                         // again.
                         format!("$JS.API.STREAM.MSG.DELETE.{}", subjects::STEP_STREAM),
+                        // An ended execution's owned-work entry, and a stopped session's, are
+                        // purged by subject.
+                        format!("$JS.API.STREAM.PURGE.{}", subjects::OWNED_KV_STREAM),
                         subjects::COMPLETION_ALL.into(),
                         subjects::STEP_ALL.into(),
                         "ts.lane.>".into(),
@@ -431,7 +434,8 @@ mod tests {
                     || p.starts_with("$JS.API.STREAM.DELETE")
             });
             assert_eq!(wide, role == Role::Admin, "{role:?}");
-            // Purging is the session-lane's, and only of the lanes and of its replicas' keys.
+            // Purging is the session-lane's, and only of the lanes and of its replicas' keys,
+            // and the broker's of the owned-work notes.
             let purges: Vec<&String> = publish
                 .iter()
                 .filter(|p| p.starts_with("$JS.API.STREAM.PURGE"))
@@ -444,6 +448,7 @@ mod tests {
                         "$JS.API.STREAM.PURGE.KV_ts_replicas"
                     ]
                 ),
+                Role::Broker => assert_eq!(purges, ["$JS.API.STREAM.PURGE.KV_ts_owned"]),
                 Role::Admin => {}
                 _ => assert!(purges.is_empty(), "{role:?}: {purges:?}"),
             }

@@ -39,6 +39,10 @@ pub const SLOTS_BUCKET: &str = "ts_slots";
 /// Session-lane replicas' liveness (`live.<replica>`, renewed every few hundred ms) and the lane
 /// pins each holds (`pin.<replica>.<session>`): how a survivor finds a dead replica's lanes.
 pub const REPLICAS_BUCKET: &str = "ts_replicas";
+/// The live `session`-scoped work each session owns (key `<session>.<execution>`): what a
+/// stopped session's work is found by, so its stop cancels it (R7). An entry is removed once
+/// its execution ended, and all of a session's once it stopped.
+pub const OWNED_BUCKET: &str = "ts_owned";
 
 /// Every stream `turnstile admin provision` creates.
 pub const ALL_STREAMS: [&str; 6] = [
@@ -51,7 +55,7 @@ pub const ALL_STREAMS: [&str; 6] = [
 ];
 
 /// Every KV bucket `turnstile admin provision` creates.
-pub const ALL_BUCKETS: [&str; 9] = [
+pub const ALL_BUCKETS: [&str; 10] = [
     SESSIONS_BUCKET,
     TURNS_BUCKET,
     HOSTS_BUCKET,
@@ -61,6 +65,7 @@ pub const ALL_BUCKETS: [&str; 9] = [
     SCHEDULES_BUCKET,
     SLOTS_BUCKET,
     REPLICAS_BUCKET,
+    OWNED_BUCKET,
 ];
 
 /// The priority group every lane consumer pins one session-lane replica to.
@@ -322,6 +327,25 @@ pub fn replicas_kv_subjects(key_filter: &str) -> String {
     format!("$KV.{REPLICAS_BUCKET}.{key_filter}")
 }
 
+/// The stream behind the owned-work bucket: an entry is purged from it (leaving no marker
+/// behind) once its execution ended or its session stopped.
+pub const OWNED_KV_STREAM: &str = "KV_ts_owned";
+
+/// The key of `execution` in [`OWNED_BUCKET`], owned by `session`.
+pub fn owned_key(session: &SessionId, execution: &ExecutionId) -> String {
+    format!("{session}.{execution}")
+}
+
+/// The key pattern of everything `session` owns in [`OWNED_BUCKET`].
+pub fn owned_by(session: &SessionId) -> String {
+    format!("{session}.*")
+}
+
+/// The subjects of the owned-work bucket's keys matching `key_filter`.
+pub fn owned_kv_subjects(key_filter: &str) -> String {
+    format!("$KV.{OWNED_BUCKET}.{key_filter}")
+}
+
 /// Where the broker keeps an unreadable execution end.
 pub const BROKER_DEADLETTER: &str = "ts.dlq.broker.ended";
 
@@ -387,8 +411,11 @@ pub mod api {
     pub const TREE: &str = "tree";
     /// Cancel an execution and everything it owns (R7).
     pub const CANCEL: &str = "cancel";
+    /// Cancel the `session`-scoped work a stopped session owns (R7); operator only, called by
+    /// the session stop.
+    pub const CANCEL_SESSION: &str = "cancel_session";
     pub const STEP_VERBS: [&str; 4] = [START, REPORT, STATUS, LIST];
-    pub const EXEC_VERBS: [&str; 2] = [TREE, CANCEL];
+    pub const EXEC_VERBS: [&str; 3] = [TREE, CANCEL, CANCEL_SESSION];
 
     /// `ts.api.steps.<principal>.<verb>`.
     pub fn steps(principal: &str, verb: &str) -> String {

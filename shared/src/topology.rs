@@ -111,6 +111,7 @@ pub struct Buckets {
     pub schedules: crate::kv::Bucket,
     pub slots: crate::kv::Bucket,
     pub replicas: crate::kv::Bucket,
+    pub owned: crate::kv::Bucket,
 }
 
 fn stream_config(
@@ -160,6 +161,7 @@ pub async fn bind(js: &jetstream::Context) -> Result<Buckets, TopologyError> {
         schedules: open(subjects::SCHEDULES_BUCKET).await?,
         slots: open(subjects::SLOTS_BUCKET).await?,
         replicas: open(subjects::REPLICAS_BUCKET).await?,
+        owned: open(subjects::OWNED_BUCKET).await?,
     })
 }
 
@@ -236,6 +238,8 @@ pub async fn provision(js: &jetstream::Context, cfg: &TopologyConfig) -> Result<
         ),
         (bucket(subjects::RUNS_BUCKET, Duration::ZERO), Some(record)),
         (bucket(subjects::SCHEDULES_BUCKET, Duration::ZERO), None),
+        // Entries live as long as their work; removed by purge, so no marker is left.
+        (bucket(subjects::OWNED_BUCKET, Duration::ZERO), None),
         (bucket(subjects::SLOTS_BUCKET, Duration::ZERO), Some(record)),
     ] {
         let name = config.bucket.clone();

@@ -22,8 +22,9 @@ use params::{ListStepsParams, StartAgentParams, StartStepParams, StepStatusParam
 use tools::{Tools, NO_CREDENTIALS};
 
 const INSTRUCTIONS: &str = "Turnstile runs work as steps beside this conversation. start_step \
-    returns at once; the step's result is delivered to this conversation as a new message when \
-    it ends, so do not poll for it. Use step_status or list_steps only to inspect.";
+    returns at once; the step goes on after your turn ends and its result is delivered to this \
+    conversation as a new message when it ends, so do not poll or wait for it: end your turn. \
+    Use step_status or list_steps only to inspect.";
 
 /// Serves MCP on stdin/stdout until the client closes stdin.
 pub async fn run(url: &str) -> anyhow::Result<ExitCode> {
@@ -60,8 +61,9 @@ impl<B: Backend> Server<B> {
         description = "Start a step: a command run on this session's host in its working \
         directory, or external work for a worker queue. Returns at once with the step's id; \
         the step runs beside this conversation and its result (status and output) is \
-        delivered to this conversation as a new message when it ends (whatever its scope), \
-        so do not poll or wait for it: carry on, or end your turn."
+        delivered to this conversation as a new message when it ends, so do not poll or wait \
+        for it: carry on, or end your turn. By default (scope session) it goes on after your \
+        turn ends, until it finishes, your run fails or this session stops."
     )]
     async fn start_step(
         &self,
@@ -74,7 +76,8 @@ impl<B: Backend> Server<B> {
         description = "Start a background agent: a new session of the same agent on this \
         host works on the prompt until everything it started is done and handed back to it. \
         Returns at once; the agent's final reply is delivered to this conversation as a new \
-        message, so do not poll for it."
+        message, so do not poll for it. By default (scope session) it goes on after your turn \
+        ends."
     )]
     async fn start_agent(
         &self,
@@ -210,7 +213,7 @@ mod tests {
             .is_some_and(|d| d.contains("do not poll")));
         let props = &step["inputSchema"]["properties"];
         assert!(props["name"]["description"].is_string(), "{props}");
-        assert_eq!(props["scope"]["default"], "turn", "{props}");
+        assert_eq!(props["scope"]["default"], "session", "{props}");
         assert_eq!(tool("step_status")["annotations"]["readOnlyHint"], true);
 
         let call = json!({"name": "start_step",

@@ -17,7 +17,10 @@ pub struct StartStepParams {
     /// argv, no shell (use ["sh", "-c", "..."] for one). Required for kind command.
     #[schemars(length(min = 1))]
     pub command: Option<Vec<String>>,
-    /// turn: ends with this turn; run: outlives it, until its run ends; detached: independent.
+    /// session (default): outlives this turn, and ends when it finishes, your run fails or
+    /// your session stops; its result comes back to this conversation. turn: cancelled as soon
+    /// as this turn ends (only for work that is part of the turn itself). detached:
+    /// independent of this session, which is still told of its end.
     #[serde(default, deserialize_with = "null_is_default")]
     pub scope: ScopeParam,
     /// command: run `command` on this session's host; external: for a worker serving `queue`.
@@ -37,7 +40,10 @@ pub struct StartAgentParams {
     pub name: String,
     /// What the agent should do.
     pub prompt: String,
-    /// turn: ends with this turn; run: outlives it, until its run ends; detached: independent.
+    /// session (default): outlives this turn, and ends when it finishes, your run fails or
+    /// your session stops; its result comes back to this conversation. turn: cancelled as soon
+    /// as this turn ends (only for work that is part of the turn itself). detached:
+    /// independent of this session, which is still told of its end.
     #[serde(default, deserialize_with = "null_is_default")]
     pub scope: ScopeParam,
 }
@@ -63,16 +69,17 @@ pub struct ListStepsParams {}
 #[schemars(inline)]
 pub enum ScopeParam {
     #[default]
+    #[serde(alias = "run")]
+    Session,
     Turn,
-    Run,
     Detached,
 }
 
 impl From<ScopeParam> for Scope {
     fn from(s: ScopeParam) -> Self {
         match s {
+            ScopeParam::Session => Scope::Session,
             ScopeParam::Turn => Scope::Turn,
-            ScopeParam::Run => Scope::Run,
             ScopeParam::Detached => Scope::Detached,
         }
     }

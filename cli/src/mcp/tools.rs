@@ -299,7 +299,8 @@ mod tests {
         let (t, fake) = tools(Some(caller()), Some(record(&id)));
         let args = json!({"name": "build", "command": ["cargo", "build"], "scope": "run"});
         let text = call(&t, "start_step", args).await.unwrap();
-        assert!(text.starts_with(&format!("started step {id} (build, scope run)")));
+        // `run`, an older client's spelling, is read as `session`.
+        assert!(text.starts_with(&format!("started step {id} (build, scope session)")));
         assert!(text.contains("delivered to this conversation when it ends"));
         assert!(!text.contains("secret-token"));
         let calls = fake.calls.lock().unwrap();
@@ -310,7 +311,7 @@ mod tests {
             req["work"],
             json!({"kind": "command", "argv": ["cargo", "build"]})
         );
-        assert_eq!(req["scope"], "run");
+        assert_eq!(req["scope"], "session");
         assert_eq!(req["name"], "build");
         assert!(req["id"].as_str().is_some_and(|i| i.starts_with("stp_")));
         assert_eq!(req["caller"]["token"], "tok");
@@ -331,7 +332,8 @@ mod tests {
             calls[0].1["work"],
             json!({"kind": "external", "queue": "review", "input": {"pr": 7}})
         );
-        assert_eq!(calls[0].1["scope"], "turn");
+        // No scope given: the step outlives the turn (its result comes back later).
+        assert_eq!(calls[0].1["scope"], "session");
         assert!(calls[1].0.ends_with(".start"), "{}", calls[1].0);
         assert_eq!(
             calls[1].1["work"],
@@ -353,7 +355,7 @@ mod tests {
 
         let (t, fake) = tools(Some(caller()), Some(json!({"items": [record(&id)]})));
         let text = call(&t, "list_steps", json!({})).await.unwrap();
-        assert!(text.starts_with(&format!("{id} queued [run] build")));
+        assert!(text.starts_with(&format!("{id} queued [session] build")));
         assert!(!text.contains("secret-token"));
         assert!(fake.calls.lock().unwrap()[0].0.ends_with(".list"));
 

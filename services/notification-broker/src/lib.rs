@@ -22,6 +22,7 @@ mod api;
 mod auth;
 mod callout;
 mod ended;
+mod owned;
 mod registry;
 mod running;
 mod runs_mirror;

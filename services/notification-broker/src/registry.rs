@@ -194,27 +194,14 @@ async fn append_child(
         .is_some_and(|r| !(live_only && r.status.is_terminal()) && r.children.contains(child)))
 }
 
-/// A step whose parent ended between the step's index entry and its record: that end's
-/// cancellation walk found no record to cancel, so the step is cancelled here as the walk
-/// would have (R7): under a cancelled step (what it owns is cancelled with it), or
-/// `turn`-scoped under a turn that ended, looking through `run`-scoped steps as the turn's
-/// walk does. Read after the record is written: either a read here sees the end, or the end's
-/// walk comes after the record and sees it. Also checked by a repeated start before it hands
-/// the work out again.
-pub(crate) async fn cancel_if_orphaned(
-    ctx: &Ctx,
-    step: &ExecutionRecord,
-) -> Result<bool, RegistryError> {
-    let Some(reason) = orphaned_by(ctx, step).await? else {
-        return Ok(false);
-    };
-    let ended = Ended::cancelled(step.id.clone(), reason, None);
-    publish_end(ctx, &ended).await?;
-    Ok(true)
-}
-
-/// Why `step` must be cancelled at birth, if it must.
-async fn orphaned_by(
+/// Why `step` must be cancelled at birth, if it must: its parent ended between the step's
+/// index entry and its record, so that end's cancellation walk found no record to cancel, and
+/// the start cancels it as the walk would have (R7): under a cancelled step (what it owns is
+/// cancelled with it), or `turn`-scoped under a turn that ended, looking through
+/// `session`-scoped steps as the turn's walk does. Read after the record is written: either a
+/// read here sees the end, or the end's walk comes after the record and sees it. Also checked
+/// by a repeated start before it hands the work out again (`api::steps`).
+pub(crate) async fn orphaned_by(
     ctx: &Ctx,
     step: &ExecutionRecord,
 ) -> Result<Option<&'static str>, RegistryError> {
@@ -237,7 +224,7 @@ async fn orphaned_by(
             // The turn's walk looks through `run`-scoped steps for `turn`-scoped work; a
             // `turn`-scoped step between is cancelled by it and cancels what it owns (checked
             // above when it is the parent); a `detached` one is not reached.
-            ExecKind::Step if step.scope == Scope::Turn && node.scope == Scope::Run => {}
+            ExecKind::Step if step.scope == Scope::Turn && node.scope == Scope::Session => {}
             ExecKind::Turn | ExecKind::Delivery => {
                 let ended = step.scope == Scope::Turn && node.status.is_terminal();
                 return Ok(ended.then_some(exec_reason::TURN_ENDED));
@@ -334,7 +321,7 @@ pub(crate) async fn cancel_under(
 
 /// The second look at the index entries a walk met with no record. Such an entry is a step
 /// start between its entry and its record; the start reads the parent after writing its
-/// record and cancels its own step if the parent has ended (`cancel_if_orphaned`), unless its
+/// record and cancels its own step if the parent has ended (`orphaned_by`), unless its
 /// broker replica died between the two. So, [`UNRECORDED_GRACE`] after the walk, a step
 /// recorded since is cancelled here as the walk would have. A start that takes longer than
 /// that and then dies is not covered (nor is this look, if its own replica dies first: the
@@ -409,7 +396,7 @@ async fn walk(
         }
         match (rec.scope, reach) {
             (Scope::Detached, _) => continue,
-            (Scope::Run, Reach::TurnScoped) => {
+            (Scope::Session, Reach::TurnScoped) => {
                 stack.extend(rec.children.iter().cloned());
                 continue;
             }

@@ -95,7 +95,7 @@ async fn mirror(ctx: &Ctx, run: &RunRecord) -> Result<(), KvError> {
         kind,
         name,
         parent,
-        scope: Scope::Run,
+        scope: Scope::Session,
         session: run.session.clone(),
         owner: Some(run.session.clone()),
         watchers: Vec::new(),

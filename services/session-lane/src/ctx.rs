@@ -113,8 +113,11 @@ impl Ctx {
             session,
         )
         .await?;
-        if let Ok(mut m) = self.completions.lock() {
-            m.insert(session.clone(), c.clone());
+        // Not kept for a session that stopped meanwhile (its stop may have been seen already).
+        if self.placement.knows(session) {
+            if let Ok(mut m) = self.completions.lock() {
+                m.insert(session.clone(), c.clone());
+            }
         }
         Ok(c)
     }
@@ -122,7 +125,7 @@ impl Ctx {
     /// Records whether the session's last delivery failed (its completions wait unarmed).
     pub fn mark_left_pending(&self, session: &turnstile_shared::SessionId, pending: bool) {
         if let Ok(mut s) = self.left_pending.lock() {
-            if pending {
+            if pending && self.placement.knows(session) {
                 s.insert(session.clone());
             } else {
                 s.remove(session);
@@ -137,10 +140,43 @@ impl Ctx {
             .unwrap_or(false)
     }
 
-    pub fn forget_completion_consumer(&self, session: &turnstile_shared::SessionId) {
+    /// Drops what this replica keeps in memory for a session that stopped (R13): every
+    /// replica calls it when its watch of the sessions bucket sees the stop, whichever replica
+    /// answered it.
+    pub fn forget_session(&self, session: &turnstile_shared::SessionId) {
         if let Ok(mut m) = self.completions.lock() {
             m.remove(session);
         }
+        if let Ok(mut s) = self.left_pending.lock() {
+            s.remove(session);
+        }
+        self.standbys.forget(session);
+    }
+
+    /// Registers the sizes of this replica's per-session maps with the metrics
+    /// (`turnstile_session_state_entries`), read at each scrape while the replica lives.
+    pub fn probe_session_state(self: &std::sync::Arc<Self>) {
+        let m = turnstile_shared::metrics::metrics();
+        let ctx = std::sync::Arc::downgrade(self);
+        m.probe("completion_consumers", move || {
+            ctx.upgrade()
+                .map(|c| c.completions.lock().map(|m| m.len()).unwrap_or(0))
+        });
+        let ctx = std::sync::Arc::downgrade(self);
+        m.probe("left_pending", move || {
+            ctx.upgrade()
+                .map(|c| c.left_pending.lock().map(|s| s.len()).unwrap_or(0))
+        });
+        let ctx = std::sync::Arc::downgrade(self);
+        m.probe("completion_standbys", move || {
+            ctx.upgrade().map(|c| c.standbys.len())
+        });
+        let ctx = std::sync::Arc::downgrade(self);
+        m.probe("placed_sessions", move || {
+            ctx.upgrade().map(|c| c.placement.sessions())
+        });
+        let ctx = std::sync::Arc::downgrade(self);
+        m.probe("lane_pulls", move || ctx.upgrade().map(|c| c.pulls.waiting()));
     }
 
     pub fn hand_back_lane(&self, consumer: String) {

@@ -212,7 +212,7 @@ mod tests {
             kind: ExecKind::Step,
             name: "n".into(),
             parent: None,
-            scope: Scope::Run,
+            scope: Scope::Session,
             session: owner.clone(),
             owner: Some(owner.clone()),
             watchers: vec![],

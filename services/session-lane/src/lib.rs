@@ -152,6 +152,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         lane_setup: tokio::sync::Semaphore::new(LANE_SETUP_CONCURRENCY),
         pulls,
     });
+    ctx.probe_session_state();
     tokio::spawn(placement::watch_hosts(ctx.clone(), stop.child_token()));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");
 

@@ -91,6 +91,19 @@ impl Placement {
         out
     }
 
+    /// How many active sessions this replica knows of.
+    pub fn sessions(&self) -> usize {
+        self.inner.lock().map(|i| i.sessions.len()).unwrap_or(0)
+    }
+
+    /// Whether `session` is active, as far as this replica's watch has seen.
+    pub fn knows(&self, session: &SessionId) -> bool {
+        self.inner
+            .lock()
+            .map(|i| i.sessions.contains_key(session))
+            .unwrap_or(true)
+    }
+
     /// `session` is active on `host`, or (with `None`) no longer active.
     pub fn session(&self, session: &SessionId, host: Option<&HostName>) {
         let Ok(mut inner) = self.inner.lock() else {

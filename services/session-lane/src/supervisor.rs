@@ -100,6 +100,8 @@ fn apply(
             if let Some(w) = workers.remove(&session) {
                 w.cancel.cancel();
             }
+            // Whichever replica answered the stop, this one drops its state too (R13).
+            ctx.forget_session(&session);
         }
     }
 }

@@ -395,8 +395,9 @@ impl Adapter for CodexAdapter {
 
     fn stop<'a>(&'a self, spec: &'a SessionSpec) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            if let Ok(mut m) = self.threads.lock() {
-                m.remove(&spec.id);
+            let thread = self.threads.lock().ok().and_then(|mut m| m.remove(&spec.id));
+            if let (Some(thread), Ok(mut rollouts)) = (thread, self.rollouts.lock()) {
+                rollouts.remove(&thread);
             }
         })
     }

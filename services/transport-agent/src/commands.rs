@@ -2,6 +2,7 @@
 //! `running` (an acknowledged KV write) before a single key is typed, and its command is acked
 //! only once the outcome is recorded, so a redelivered command never types twice (R14).
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -86,11 +87,15 @@ pub(crate) async fn refuse(ctx: &Ctx, msg: &jetstream::Message, reason: &str) {
 }
 
 async fn spec_for(ctx: &Ctx, session: &SessionId) -> Option<(SessionSpec, bool)> {
-    if let Ok(map) = ctx.sessions.lock() {
+    let stops = {
+        let Ok(map) = ctx.sessions.lock() else {
+            return None;
+        };
         if let Some(spec) = map.get(session) {
             return Some((spec.clone(), true));
         }
-    }
+        ctx.stops.load(Ordering::Acquire)
+    };
     let record = match ctx
         .buckets
         .sessions
@@ -117,7 +122,11 @@ async fn spec_for(ctx: &Ctx, session: &SessionId) -> Option<(SessionSpec, bool)>
     };
     if active {
         if let Ok(mut map) = ctx.sessions.lock() {
-            map.insert(session.clone(), spec.clone());
+            // A stop handled since the read may be this session's: not cached then (the
+            // next turn reads the record again).
+            if ctx.stops.load(Ordering::Acquire) == stops {
+                map.insert(session.clone(), spec.clone());
+            }
         }
     }
     Some((spec, active))
@@ -127,11 +136,21 @@ fn adapter(ctx: &Ctx, spec: &SessionSpec) -> Option<Arc<dyn Adapter>> {
     ctx.adapters.get(&spec.agent).cloned()
 }
 
-fn is_stopped(ctx: &Ctx, session: &SessionId) -> bool {
-    ctx.stopped
-        .lock()
-        .map(|s| s.contains(session))
-        .unwrap_or(false)
+/// Whether the session's record says it stopped (read when a turn failed, to name why).
+async fn is_stopped(ctx: &Ctx, session: &SessionId) -> bool {
+    match ctx
+        .buckets
+        .sessions
+        .get::<SessionRecord>(session.as_str())
+        .await
+    {
+        Ok(Some((r, _))) => !r.is_active(),
+        Ok(None) => true,
+        Err(e) => {
+            tracing::debug!(%session, error = %e, "read session");
+            false
+        }
+    }
 }
 
 /// Launches (or resumes) the agent if needed; one launch per session at a time.
@@ -221,11 +240,9 @@ async fn handle_start(ctx: &Ctx, session: &SessionId) {
 }
 
 async fn handle_stop(ctx: &Ctx, session: &SessionId) {
-    if let Ok(mut s) = ctx.stopped.lock() {
-        s.insert(session.clone());
-    }
     let spec = spec_for(ctx, session).await.map(|(s, _)| s);
     if let Ok(mut map) = ctx.sessions.lock() {
+        ctx.stops.fetch_add(1, Ordering::AcqRel);
         map.remove(session);
     }
     if let Ok(mut locks) = ctx.launch_locks.lock() {
@@ -473,11 +490,13 @@ async fn drive_from(
         }
     };
     let end = match end {
-        TurnEnd::Failed { output, .. } if is_stopped(ctx, &cmd.session) => TurnEnd::Failed {
-            reason: reason::SESSION_STOPPED,
-            detail: "the session was stopped during the turn".into(),
-            output,
-        },
+        TurnEnd::Failed { output, .. } if is_stopped(ctx, &cmd.session).await => {
+            TurnEnd::Failed {
+                reason: reason::SESSION_STOPPED,
+                detail: "the session was stopped during the turn".into(),
+                output,
+            }
+        }
         other => other,
     };
     record_end_from(ctx, &record, written, end)
@@ -496,7 +515,7 @@ async fn turn_target(
             format!("no session {}", cmd.session),
         ));
     };
-    if !active || is_stopped(ctx, &cmd.session) {
+    if !active {
         return Err(failed(
             reason::SESSION_STOPPED,
             "the session is stopped".into(),

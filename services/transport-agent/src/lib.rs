@@ -125,7 +125,10 @@ pub(crate) struct Ctx {
     pub sessions: Mutex<HashMap<SessionId, SessionSpec>>,
     /// Turns this process is typing or watching: a redelivered command for one is a duplicate.
     pub active: Mutex<HashSet<TurnId>>,
-    pub stopped: Mutex<HashSet<SessionId>>,
+    /// Bumped by every stop (under the `sessions` lock): a spec read from the sessions bucket
+    /// is cached only if no stop came between its read and its caching, so a stopped
+    /// session's spec is never cached again (and no set of stopped sessions need be kept).
+    pub stops: std::sync::atomic::AtomicU64,
     pub launch_locks: Mutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
     /// Names this process to the broker when it takes a step (one per process start).
     pub worker: String,
@@ -134,6 +137,32 @@ pub(crate) struct Ctx {
 }
 
 impl Ctx {
+    /// Registers the sizes of this process's per-session maps with the metrics
+    /// (`turnstile_session_state_entries`), read at each scrape while the agent lives.
+    fn probe_session_state(self: &Arc<Self>) {
+        let m = turnstile_shared::metrics::metrics();
+        let ctx = Arc::downgrade(self);
+        m.probe("session_specs", move || {
+            ctx.upgrade()
+                .map(|c| c.sessions.lock().map(|m| m.len()).unwrap_or(0))
+        });
+        let ctx = Arc::downgrade(self);
+        m.probe("launch_locks", move || {
+            ctx.upgrade()
+                .map(|c| c.launch_locks.lock().map(|m| m.len()).unwrap_or(0))
+        });
+        let ctx = Arc::downgrade(self);
+        m.probe("active_turns", move || {
+            ctx.upgrade()
+                .map(|c| c.active.lock().map(|m| m.len()).unwrap_or(0))
+        });
+        let ctx = Arc::downgrade(self);
+        m.probe("running_steps", move || {
+            ctx.upgrade()
+                .map(|c| c.running_steps.lock().map(|m| m.len()).unwrap_or(0))
+        });
+    }
+
     pub fn running_steps_insert(&self, step: &turnstile_shared::StepId) -> bool {
         self.running_steps
             .lock()
@@ -219,11 +248,12 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         adapters,
         sessions: Mutex::default(),
         active: Mutex::default(),
-        stopped: Mutex::default(),
+        stops: Default::default(),
         launch_locks: Mutex::default(),
         worker,
         running_steps: Mutex::default(),
     });
+    ctx.probe_session_state();
     tracing::info!(host = %ctx.config.host, "transport agent running");
     let beat = heartbeat::run(ctx.clone(), shutdown.clone());
     let cmds = commands::run(ctx.clone(), shutdown.clone());

@@ -46,7 +46,7 @@ fn step_request(caller: &Caller, name: &str) -> StartStep {
     StartStep {
         caller: caller.clone(),
         name: name.to_string(),
-        scope: Scope::Run,
+        scope: Scope::Session,
         work: StepKind::External {
             queue: "agents-test".into(),
             input: serde_json::Value::Null,

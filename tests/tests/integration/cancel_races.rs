@@ -152,7 +152,7 @@ async fn started_under_an_ending_step(stack: &Stack) -> Result<()> {
         let pid = StepId::new();
         let name = format!("parent-{round}");
         stack
-            .start_step(&unworked(&caller, name, Scope::Run, Some(pid.clone())))
+            .start_step(&unworked(&caller, name, Scope::Session, Some(pid.clone())))
             .await
             .map_err(|e| anyhow::anyhow!("start parent-{round}: {e}"))?;
         let parent = step_caller(stack, &pid).await?;
@@ -163,7 +163,7 @@ async fn started_under_an_ending_step(stack: &Stack) -> Result<()> {
                 let mut mine = Vec::new();
                 let until = tokio::time::Instant::now() + Duration::from_secs(10);
                 for i in 0.. {
-                    let req = unworked(&parent, format!("child-{round}-{k}-{i}"), Scope::Run, None);
+                    let req = unworked(&parent, format!("child-{round}-{k}-{i}"), Scope::Session, None);
                     match stack.start_step(&req).await {
                         Ok(r) => mine.push(r.id),
                         Err(e) if e.code == ErrorCode::ParentEnded => break,
@@ -210,7 +210,7 @@ async fn started_under_run_work_after_its_turn(stack: &Stack) -> Result<()> {
         .start_step(&unworked(
             &stack.caller(&s).await?,
             run_work,
-            Scope::Run,
+            Scope::Session,
             Some(rid.clone()),
         ))
         .await

@@ -33,7 +33,7 @@ async fn exact_tree(stack: &mut Stack) -> Result<()> {
         .start_step(&StartStep {
             caller: caller.clone(),
             name: "orchestrator".into(),
-            scope: Scope::Run,
+            scope: Scope::Session,
             work: StepKind::Command {
                 argv: vec![
                     "sh".into(),
@@ -50,7 +50,7 @@ async fn exact_tree(stack: &mut Stack) -> Result<()> {
         .start_step(&StartStep {
             caller,
             name: "review".into(),
-            scope: Scope::Run,
+            scope: Scope::Session,
             work: StepKind::External {
                 queue: "review".into(),
                 input: serde_json::json!({"pr": 7}),

@@ -363,7 +363,7 @@ async fn idle_with_a_step(
         .start_step(&StartStep {
             caller: stack.caller(&s).await?,
             name: format!("{name}-step"),
-            scope: Scope::Run,
+            scope: Scope::Session,
             work: StepKind::External {
                 queue: queue.into(),
                 input: serde_json::Value::Null,
@@ -1407,7 +1407,7 @@ async fn unread_end(stack: &mut Stack) -> Result<()> {
             token: worker.item.token.clone(),
         },
         name: name.into(),
-        scope: Scope::Run,
+        scope: Scope::Session,
         work: StepKind::External {
             queue: "nobody".into(),
             input: serde_json::Value::Null,
@@ -1522,7 +1522,7 @@ async fn standby_given_back(stack: &mut Stack) -> Result<()> {
             .start_step(&StartStep {
                 caller: stack.caller(&s).await?,
                 name: name.into(),
-                scope: Scope::Run,
+                scope: Scope::Session,
                 work: StepKind::External {
                     queue: "nobody".into(),
                     input: serde_json::Value::Null,
@@ -1619,7 +1619,7 @@ async fn one_by_one(stack: &mut Stack) -> Result<()> {
             .start_step(&StartStep {
                 caller: stack.caller(&s).await?,
                 name: format!("step-{i}"),
-                scope: Scope::Run,
+                scope: Scope::Session,
                 work: StepKind::External {
                     queue: "one-by-one".into(),
                     input: serde_json::Value::Null,

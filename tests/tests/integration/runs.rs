@@ -154,7 +154,7 @@ async fn bounds(stack: &mut Stack) -> Result<()> {
         .start_step(&StartStep {
             caller: stack.caller(&s).await?,
             name: "orphan".into(),
-            scope: Scope::Run,
+            scope: Scope::Session,
             work: StepKind::External {
                 queue: "nobody-serves-this".into(),
                 input: serde_json::Value::Null,
@@ -270,7 +270,7 @@ async fn background_agent(stack: &mut Stack) -> Result<()> {
         .start_step(&StartStep {
             caller: stack.caller(&owner).await?,
             name: "helper".into(),
-            scope: Scope::Run,
+            scope: Scope::Session,
             work: StepKind::Agent {
                 prompt: "two groups in the background\n!groups 2 300ms".into(),
             },

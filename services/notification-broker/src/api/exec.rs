@@ -4,12 +4,13 @@
 
 use std::sync::Arc;
 
-use turnstile_shared::api::ApiError;
+use turnstile_shared::api::{ApiError, ErrorCode, SessionRef};
 use turnstile_shared::execution::{exec_reason, ExecKind, ExecutionRecord};
 use turnstile_shared::principal::Principal;
 use turnstile_shared::step_api::{Cancelled, Ended, ExecRef, TreeNode};
 use turnstile_shared::ExecutionId;
 
+use crate::owned::{self, StopError};
 use crate::registry::{self, Reach};
 use crate::Ctx;
 
@@ -110,4 +111,25 @@ pub(super) async fn cancel(
         }
     }
     Ok(Cancelled { cancelled })
+}
+
+/// Cancels the `session`-scoped work a stopped session owns (R7): called by the session stop,
+/// on the operator's subject only. Refused for an active session.
+pub(super) async fn cancel_session(
+    ctx: Arc<Ctx>,
+    principal: Principal,
+    req: SessionRef,
+) -> Result<Cancelled, ApiError> {
+    if principal != Principal::Operator {
+        return Err(ApiError::new(
+            ErrorCode::Unauthorized,
+            "only the operator cancels a stopped session's work",
+        ));
+    }
+    match owned::cancel_stopped(&ctx, &req.session).await {
+        Ok(cancelled) => Ok(Cancelled { cancelled }),
+        Err(e @ StopError::Active(_)) => Err(ApiError::bad_request(e.to_string())),
+        Err(e @ StopError::Unknown(_)) => Err(ApiError::not_found(e.to_string())),
+        Err(e) => Err(ApiError::new(ErrorCode::Unavailable, e.to_string())),
+    }
 }

@@ -45,13 +45,14 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
             );
         }};
     }
-    use subjects::api::{CANCEL, LIST, REPORT, START, STATUS, TREE};
+    use subjects::api::{CANCEL, CANCEL_SESSION, LIST, REPORT, START, STATUS, TREE};
     endpoint!(steps_group, START, steps::start);
     endpoint!(steps_group, REPORT, steps::report);
     endpoint!(steps_group, STATUS, steps::status);
     endpoint!(steps_group, LIST, steps::list);
     endpoint!(exec_group, TREE, exec::tree);
     endpoint!(exec_group, CANCEL, exec::cancel);
+    endpoint!(exec_group, CANCEL_SESSION, exec::cancel_session);
     futures::future::join_all(tasks).await;
     let _ = service.stop().await;
     Ok(())

@@ -21,8 +21,8 @@ use turnstile_shared::step_api::{
 use turnstile_shared::{subjects, ExecutionId, StepId};
 
 use crate::auth::{authenticate, same_secret, Identity};
-use crate::registry;
 use crate::step_events::step_event;
+use crate::{owned, registry};
 use crate::Ctx;
 
 const MAX_NAME: usize = 200;
@@ -159,9 +159,7 @@ pub(super) async fn start(
                 if let Some(work) = existing.work.clone() {
                     // Unless the first attempt stopped before its orphan check and the
                     // parent has ended since (see below).
-                    let orphaned = registry::cancel_if_orphaned(&ctx, &existing)
-                        .await
-                        .map_err(ApiError::internal)?;
+                    let orphaned = cancel_if_abandoned(&ctx, &existing).await?;
                     if !orphaned {
                         dispatch(&ctx, &existing, step.clone(), work).await?;
                     }
@@ -207,10 +205,20 @@ pub(super) async fn start(
     // Index first, then the record: a crash between leaves a dangling index entry (skipped
     // by the tree walk), never a child its parent does not know. A parent that ended since it
     // was placed takes no child (its end's cancellation would miss it, R7).
-    let live = registry::add_live_child(&ctx, &placement.parent.id, &exec_id)
-        .await
-        .map_err(ApiError::from)?;
-    if !live {
+    // Work that outlives its turn is noted under its owner beside, so the owner's stop finds
+    // it (`owned`).
+    let note = async {
+        match owned::noted(&record) {
+            Some(owner) => owned::note(&ctx, owner, &exec_id).await,
+            None => Ok(()),
+        }
+    };
+    let (live, noted) = tokio::join!(
+        registry::add_live_child(&ctx, &placement.parent.id, &exec_id),
+        note
+    );
+    noted.map_err(ApiError::from)?;
+    if !live.map_err(ApiError::from)? {
         return Err(parent_ended(&placement.parent));
     }
     let created = ctx
@@ -225,16 +233,34 @@ pub(super) async fn start(
             format!("execution {exec_id} was registered concurrently"),
         ));
     }
-    if registry::cancel_if_orphaned(&ctx, &record)
-        .await
-        .map_err(ApiError::internal)?
-    {
-        // Its parent ended while it was registered: cancelled, its work not handed out.
-        tracing::info!(step = %record.id, "started as its parent ended; cancelled with it");
+    if cancel_if_abandoned(&ctx, &record).await? {
+        // Its parent ended, or its owner stopped, while it was registered: cancelled, its
+        // work not handed out.
+        tracing::info!(step = %record.id, "started as its parent ended or its session stopped; cancelled");
         return Ok(record.redacted());
     }
     dispatch(&ctx, &record, step, work).await?;
     Ok(record.redacted())
+}
+
+/// Cancels a step just recorded whose parent ended meanwhile (`registry::orphaned_by`), or
+/// whose owner session stopped meanwhile (its stop read the owned-work notes before this one
+/// was written: `owned::cancel_stopped`). Both are read after the record is written.
+async fn cancel_if_abandoned(ctx: &Ctx, step: &ExecutionRecord) -> Result<bool, ApiError> {
+    let (orphaned, stopped) = tokio::join!(
+        registry::orphaned_by(ctx, step),
+        owned::owner_stopped(ctx, step)
+    );
+    let reason = match (orphaned.map_err(ApiError::internal)?, stopped?) {
+        (Some(reason), _) => reason,
+        (None, true) => exec_reason::SESSION_STOPPED,
+        (None, false) => return Ok(false),
+    };
+    let ended = Ended::cancelled(step.id.clone(), reason, None);
+    registry::publish_end(ctx, &ended)
+        .await
+        .map_err(ApiError::internal)?;
+    Ok(true)
 }
 
 /// The refusal of a start whose parent ended after it was placed: for a turn, what a start

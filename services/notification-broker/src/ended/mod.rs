@@ -220,6 +220,8 @@ async fn finish_end(
     for ack in acks {
         ack.await?;
     }
+    // Ended work is no longer its owner's to cancel on stop (in the background).
+    crate::owned::forget(ctx, &record);
     // Last, once the end is routed (the end is acked after it: see `recheck_unrecorded`).
     registry::recheck_unrecorded(
         ctx,

@@ -18,6 +18,7 @@ use turnstile_shared::records::{
     reason, transport_kind, AgentKind, HostRecord, SessionRecord, SessionState, StartCommand,
     StopCommand, TurnRecord, TurnState,
 };
+use turnstile_shared::principal::Principal;
 use turnstile_shared::{subjects, topology, HostName, SessionId, TurnId};
 
 use crate::ctx::Ctx;
@@ -268,7 +269,8 @@ pub(super) async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord
     };
     command(&ctx, &record.host, &record.id, Verb::Stop, &stop).await?;
     drain_lane(&ctx, &record.id).await?;
-    ctx.forget_completion_consumer(&record.id);
+    cancel_owned_work(&ctx, &record.id).await?;
+    ctx.forget_session(&record.id);
     let ev = session_event(EventKind::SessionStopped, &record.id, None, &json!({}))
         .map_err(ApiError::internal)?;
     events::publish(&ctx.js, &ev)
@@ -276,6 +278,35 @@ pub(super) async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord
         .map_err(ApiError::internal)?;
     Ok(record.redacted())
 }
+
+/// The work the session started that outlives its turns (`session` scope) ends with it (R7):
+/// the broker cancels what the session's notes name. A stop that cannot reach the broker is
+/// answered `unavailable`; the session is stopped already, and a repeated stop finishes it.
+async fn cancel_owned_work(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
+    let req = SessionRef {
+        session: session.clone(),
+    };
+    let cancelled: turnstile_shared::step_api::Cancelled = turnstile_shared::api::call(
+        &ctx.client,
+        &Principal::Operator.exec(subjects::api::CANCEL_SESSION),
+        &req,
+        BROKER_CALL,
+    )
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            ErrorCode::Unavailable,
+            format!("session {session} is stopped, but its work was not cancelled ({e}): stop it again"),
+        )
+    })?;
+    if !cancelled.cancelled.is_empty() {
+        tracing::info!(%session, count = cancelled.cancelled.len(), "cancelled the stopped session's work");
+    }
+    Ok(())
+}
+
+/// How long a stop waits for the broker to cancel the session's work.
+const BROKER_CALL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Fails every turn still on a stopped session's lane, then removes the lane and its
 /// consumer, so nothing keeps waiting on the session (R13).

@@ -179,6 +179,19 @@ impl Standbys {
             .unwrap_or(false)
     }
 
+    /// Forgets a stopped session's standby. A pull still out ends on its own within
+    /// [`STANDBY_FOR`]; what it held comes back when its ack wait lapses.
+    pub(crate) fn forget(&self, session: &SessionId) {
+        if let Ok(mut map) = self.map.lock() {
+            map.remove(session);
+        }
+    }
+
+    /// How many sessions have a standby here (open or not yet swept).
+    pub(crate) fn len(&self) -> usize {
+        self.map.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
     /// The ack subjects of everything held, taken (to give back at shutdown).
     pub(crate) fn give_back(&self) -> Vec<String> {
         let Ok(map) = self.map.lock() else {

@@ -177,6 +177,11 @@ impl PullHub {
         }
     }
 
+    /// How many lanes have a pull request waiting for its reply.
+    pub(crate) fn waiting(&self) -> usize {
+        self.lock().len()
+    }
+
     /// Forgets a lane's request if it is still the one waiting.
     fn forget(&self, session: &str, token: u64) {
         let mut waiters = self.lock();
