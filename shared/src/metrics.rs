@@ -218,7 +218,11 @@ impl Metrics {
 
     /// Registers `probe` as the size of the per-session map `map`, read at each encode (the
     /// sizes of maps of one name are summed, for several services in one process).
-    pub fn probe(&self, map: &'static str, probe: impl Fn() -> Option<usize> + Send + Sync + 'static) {
+    pub fn probe(
+        &self,
+        map: &'static str,
+        probe: impl Fn() -> Option<usize> + Send + Sync + 'static,
+    ) {
         if let Ok(mut probes) = self.probes.lock() {
             probes.push((map, Box::new(probe)));
         }

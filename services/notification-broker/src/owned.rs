@@ -143,9 +143,28 @@ pub(crate) async fn cancel_stopped(
     Ok(cancelled)
 }
 
-/// Whether `record`'s owner session has stopped: a `session`-scoped start that raced its
-/// session's stop is cancelled by the start itself.
-pub(crate) async fn owner_stopped(ctx: &Ctx, record: &ExecutionRecord) -> Result<bool, KvError> {
+/// Cancels a step just recorded whose parent ended meanwhile (`registry::orphaned_by`), or
+/// whose owner session stopped meanwhile (its stop read the notes before this one was
+/// written: [`cancel_stopped`]). Both are read after the record is written. Returns whether
+/// it cancelled the step.
+pub(crate) async fn cancel_if_abandoned(
+    ctx: &Ctx,
+    step: &ExecutionRecord,
+) -> Result<bool, RegistryError> {
+    let (orphaned, stopped) =
+        tokio::join!(registry::orphaned_by(ctx, step), owner_stopped(ctx, step));
+    let reason = match (orphaned?, stopped?) {
+        (Some(reason), _) => reason,
+        (None, true) => exec_reason::SESSION_STOPPED,
+        (None, false) => return Ok(false),
+    };
+    let ended = Ended::cancelled(step.id.clone(), reason, None);
+    registry::publish_end(ctx, &ended).await?;
+    Ok(true)
+}
+
+/// Whether `record`'s owner session has stopped.
+async fn owner_stopped(ctx: &Ctx, record: &ExecutionRecord) -> Result<bool, KvError> {
     let Some(owner) = noted(record) else {
         return Ok(false);
     };

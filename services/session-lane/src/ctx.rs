@@ -176,7 +176,9 @@ impl Ctx {
             ctx.upgrade().map(|c| c.placement.sessions())
         });
         let ctx = std::sync::Arc::downgrade(self);
-        m.probe("lane_pulls", move || ctx.upgrade().map(|c| c.pulls.waiting()));
+        m.probe("lane_pulls", move || {
+            ctx.upgrade().map(|c| c.pulls.waiting())
+        });
     }
 
     pub fn hand_back_lane(&self, consumer: String) {

@@ -395,7 +395,11 @@ impl Adapter for CodexAdapter {
 
     fn stop<'a>(&'a self, spec: &'a SessionSpec) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let thread = self.threads.lock().ok().and_then(|mut m| m.remove(&spec.id));
+            let thread = self
+                .threads
+                .lock()
+                .ok()
+                .and_then(|mut m| m.remove(&spec.id));
             if let (Some(thread), Ok(mut rollouts)) = (thread, self.rollouts.lock()) {
                 rollouts.remove(&thread);
             }

@@ -490,13 +490,11 @@ async fn drive_from(
         }
     };
     let end = match end {
-        TurnEnd::Failed { output, .. } if is_stopped(ctx, &cmd.session).await => {
-            TurnEnd::Failed {
-                reason: reason::SESSION_STOPPED,
-                detail: "the session was stopped during the turn".into(),
-                output,
-            }
-        }
+        TurnEnd::Failed { output, .. } if is_stopped(ctx, &cmd.session).await => TurnEnd::Failed {
+            reason: reason::SESSION_STOPPED,
+            detail: "the session was stopped during the turn".into(),
+            output,
+        },
         other => other,
     };
     record_end_from(ctx, &record, written, end)

@@ -163,7 +163,12 @@ async fn started_under_an_ending_step(stack: &Stack) -> Result<()> {
                 let mut mine = Vec::new();
                 let until = tokio::time::Instant::now() + Duration::from_secs(10);
                 for i in 0.. {
-                    let req = unworked(&parent, format!("child-{round}-{k}-{i}"), Scope::Session, None);
+                    let req = unworked(
+                        &parent,
+                        format!("child-{round}-{k}-{i}"),
+                        Scope::Session,
+                        None,
+                    );
                     match stack.start_step(&req).await {
                         Ok(r) => mine.push(r.id),
                         Err(e) if e.code == ErrorCode::ParentEnded => break,

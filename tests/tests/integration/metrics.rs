@@ -12,7 +12,7 @@ use crate::health::get;
 use crate::stack::{report, schedule, Stack};
 
 /// One sample: its labels (`name="value"` pairs) and value.
-type Samples = HashMap<String, Vec<(Vec<(String, String)>, f64)>>;
+pub(crate) type Samples = HashMap<String, Vec<(Vec<(String, String)>, f64)>>;
 
 /// Parses the text exposition: `# ...` lines are metadata, every other line is
 /// `name{labels} value` or `name value`. Anything else is an error.
@@ -67,7 +67,7 @@ fn total(samples: &Samples, name: &str) -> f64 {
         .map_or(0.0, |s| s.iter().map(|(_, v)| v).sum())
 }
 
-async fn scrape(stack: &Stack, service: &str) -> Result<Samples> {
+pub(crate) async fn scrape(stack: &Stack, service: &str) -> Result<Samples> {
     let port = *stack
         .http
         .get(service)

@@ -10,7 +10,7 @@ use anyhow::{bail, ensure, Context, Result};
 use turnstile_shared::api::CreateSession;
 use turnstile_shared::policy::Policy;
 use turnstile_shared::records::{AgentKind, TurnRecord, TurnState};
-use turnstile_shared::SessionId;
+use turnstile_shared::{ExecutionId, SessionId};
 use turnstile_tests::model::{self, Api, ModelServer, Reply};
 
 use crate::stack::{report, Stack};
@@ -73,20 +73,44 @@ pub async fn a_step_is_handed_over(
         .find(|r| r.contains("started step"))
         .context("start_step answered the model")?;
     ensure!(started.contains("bg-build"), "{started}");
+    // No scope was asked for: the step outlives the turn that started it (R7), which ended
+    // while it still slept.
+    ensure!(started.contains("scope session"), "{started}");
+    let step: ExecutionId = started
+        .split_whitespace()
+        .nth(2)
+        .context("the step id in the tool result")?
+        .parse()?;
+    let live = stack.exec(&step).await?.context("the step's record")?;
+    ensure!(
+        !live.status.is_terminal(),
+        "the step ended with its turn: {:?}",
+        live.status
+    );
+    model.push(Reply::text("noted the build"));
     turnstile_tests::wait_until("the step's result reaches the model", TURN, || async {
         Ok(model
             .requests()
             .iter()
             .flat_map(model::user_texts)
-            .any(|t| t.contains("bg-build") && t.contains("completed"))
-            .then_some(()))
+            .find(|t| t.contains("bg-build") && t.contains(STEP_MARKER))
+            .map(|t| (t.contains("completed") && !t.contains("cancelled")).then_some(t)))
     })
-    .await
+    .await?
+    .context("the step's result is its completion, not a cancellation")?;
+    Ok(())
 }
 
-/// The `start_step` arguments both CLIs' tool calls carry.
+/// What the background step prints once its sleep is over.
+const STEP_MARKER: &str = "built-after-the-turn";
+
+/// The `start_step` arguments both CLIs' tool calls carry: only a name and a command, which
+/// sleeps past the end of the turn that started it, then prints a marker.
 pub fn step_arguments() -> serde_json::Value {
-    serde_json::json!({"name": "bg-build", "command": ["sh", "-c", "echo built"], "scope": "detached"})
+    serde_json::json!({
+        "name": "bg-build",
+        "command": ["sh", "-c", format!("sleep 3; echo {STEP_MARKER}")],
+    })
 }
 
 /// The model API refuses the request: the turn fails `agent_error`, with the API's words.

@@ -65,6 +65,58 @@ async fn twelve_groups(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
+/// R5, R7: a run's turn starts a 1 s step without naming a scope and ends at once. The step
+/// outlives that turn (`session` scope is the default) and the run completes only after it
+/// completed and its result was handed to the agent in a second round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_waits_for_the_step_its_turn_started_without_a_scope() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = unscoped_step(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn unscoped_step(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::execution::{ExecStatus, Scope};
+    use turnstile_shared::ExecutionId;
+    let s = stack.create_session("unscoped", None).await?;
+    let run = stack.start_run(&s, &["round\n!step g 1s ok"], None).await?;
+    let done = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    let RunState::Completed { ended_at, .. } = done.state else {
+        anyhow::bail!("run ended {:?}", done.state);
+    };
+    ensure!(done.rounds() == 2, "2 rounds: {:?}", done.progress);
+    let transcript = stack.transcript(&s).await?;
+    ensure!(transcript.len() == 2, "{transcript:?}");
+    ensure!(
+        transcript[1].contains("g [completed]"),
+        "the step's result, handed back: {transcript:?}"
+    );
+    let tree = crate::stack::wait_until_tree(
+        stack,
+        &ExecutionId::from(&run.id),
+        Duration::from_secs(20),
+        |t| t.settled,
+    )
+    .await?;
+    let step = tree
+        .nodes
+        .iter()
+        .flat_map(|m| m.nodes.iter())
+        .flat_map(|t| t.nodes.iter())
+        .find(|n| n.record.name == "g")
+        .map(|n| n.record.clone())
+        .ok_or_else(|| anyhow::anyhow!("no step g in the run's tree"))?;
+    ensure!(step.scope == Scope::Session, "{:?}", step.scope);
+    let ExecStatus::Completed {
+        ended_at: step_end, ..
+    } = step.status
+    else {
+        anyhow::bail!("the step did not complete: {:?}", step.status);
+    };
+    ensure!(step_end <= ended_at, "the run ended before its step");
+    Ok(())
+}
+
 /// R5, R10, R12: the run's bounds end it `failed` with a named reason; step heartbeats count as
 /// progress, a step nobody works on does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,8 +22,8 @@ use turnstile_shared::{subjects, ExecutionId, StepId};
 
 use crate::auth::{authenticate, same_secret, Identity};
 use crate::step_events::step_event;
-use crate::{owned, registry};
 use crate::Ctx;
+use crate::{owned, registry};
 
 const MAX_NAME: usize = 200;
 const MAX_ARGV: usize = 64 * 1024;
@@ -159,7 +159,9 @@ pub(super) async fn start(
                 if let Some(work) = existing.work.clone() {
                     // Unless the first attempt stopped before its orphan check and the
                     // parent has ended since (see below).
-                    let orphaned = cancel_if_abandoned(&ctx, &existing).await?;
+                    let orphaned = owned::cancel_if_abandoned(&ctx, &existing)
+                        .await
+                        .map_err(ApiError::internal)?;
                     if !orphaned {
                         dispatch(&ctx, &existing, step.clone(), work).await?;
                     }
@@ -233,7 +235,10 @@ pub(super) async fn start(
             format!("execution {exec_id} was registered concurrently"),
         ));
     }
-    if cancel_if_abandoned(&ctx, &record).await? {
+    if owned::cancel_if_abandoned(&ctx, &record)
+        .await
+        .map_err(ApiError::internal)?
+    {
         // Its parent ended, or its owner stopped, while it was registered: cancelled, its
         // work not handed out.
         tracing::info!(step = %record.id, "started as its parent ended or its session stopped; cancelled");
@@ -241,26 +246,6 @@ pub(super) async fn start(
     }
     dispatch(&ctx, &record, step, work).await?;
     Ok(record.redacted())
-}
-
-/// Cancels a step just recorded whose parent ended meanwhile (`registry::orphaned_by`), or
-/// whose owner session stopped meanwhile (its stop read the owned-work notes before this one
-/// was written: `owned::cancel_stopped`). Both are read after the record is written.
-async fn cancel_if_abandoned(ctx: &Ctx, step: &ExecutionRecord) -> Result<bool, ApiError> {
-    let (orphaned, stopped) = tokio::join!(
-        registry::orphaned_by(ctx, step),
-        owned::owner_stopped(ctx, step)
-    );
-    let reason = match (orphaned.map_err(ApiError::internal)?, stopped?) {
-        (Some(reason), _) => reason,
-        (None, true) => exec_reason::SESSION_STOPPED,
-        (None, false) => return Ok(false),
-    };
-    let ended = Ended::cancelled(step.id.clone(), reason, None);
-    registry::publish_end(ctx, &ended)
-        .await
-        .map_err(ApiError::internal)?;
-    Ok(true)
 }
 
 /// The refusal of a start whose parent ended after it was placed: for a turn, what a start

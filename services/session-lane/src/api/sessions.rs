@@ -14,11 +14,11 @@ use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::kv::Change;
 use turnstile_shared::lane::{LaneItem, TurnItem};
+use turnstile_shared::principal::Principal;
 use turnstile_shared::records::{
     reason, transport_kind, AgentKind, HostRecord, SessionRecord, SessionState, StartCommand,
     StopCommand, TurnRecord, TurnState,
 };
-use turnstile_shared::principal::Principal;
 use turnstile_shared::{subjects, topology, HostName, SessionId, TurnId};
 
 use crate::ctx::Ctx;
@@ -296,7 +296,9 @@ async fn cancel_owned_work(ctx: &Ctx, session: &SessionId) -> Result<(), ApiErro
     .map_err(|e| {
         ApiError::new(
             ErrorCode::Unavailable,
-            format!("session {session} is stopped, but its work was not cancelled ({e}): stop it again"),
+            format!(
+                "session {session} is stopped, but its work was not cancelled ({e}): stop it again"
+            ),
         )
     })?;
     if !cancelled.cancelled.is_empty() {
