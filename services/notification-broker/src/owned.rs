@@ -71,6 +71,11 @@ pub(crate) enum StopError {
     Unknown(SessionId),
     #[error("read the work session {session} owns: {source}")]
     Read { session: SessionId, source: KvError },
+    #[error("list the work session {session} owns: {source}")]
+    Notes {
+        session: SessionId,
+        source: async_nats::Error,
+    },
     #[error(transparent)]
     Registry(#[from] RegistryError),
     #[error("remove the notes of session {session}: {source}")]
@@ -104,21 +109,14 @@ pub(crate) async fn cancel_stopped(
             })
         }
     }
-    let notes = ctx
-        .buckets
-        .owned
-        .entries_matching::<String>(&subjects::owned_by(session))
+    let notes = notes_of(ctx, session)
         .await
-        .map_err(|source| StopError::Read {
+        .map_err(|source| StopError::Notes {
             session: session.clone(),
             source,
         })?;
     let mut cancelled = Vec::new();
-    for (_, id) in notes {
-        let Ok(id) = id.parse::<ExecutionId>() else {
-            tracing::warn!(%session, id, "unreadable owned-work note; skipped");
-            continue;
-        };
+    for id in notes {
         let Some(record) = registry::get(ctx, &id).await.map_err(RegistryError::from)? else {
             continue;
         };
@@ -161,6 +159,39 @@ pub(crate) async fn cancel_if_abandoned(
     let ended = Ended::cancelled(step.id.clone(), reason, None);
     registry::publish_end(ctx, &ended).await?;
     Ok(true)
+}
+
+/// The executions a session's notes name, read one message at a time by direct gets (no
+/// consumer: stops in a burst would pass the stream's consumer limit with a listing consumer
+/// each, as they linger after use).
+async fn notes_of(ctx: &Ctx, session: &SessionId) -> Result<Vec<ExecutionId>, async_nats::Error> {
+    use async_nats::jetstream::stream::DirectGetErrorKind;
+    let stream = ctx.js.get_stream_no_info(subjects::OWNED_KV_STREAM).await?;
+    let filter = subjects::owned_kv_subjects(&subjects::owned_by(session));
+    let mut out = Vec::new();
+    let mut seq = 0;
+    loop {
+        let msg = match stream
+            .direct_get_next_for_subject(filter.as_str(), Some(seq + 1))
+            .await
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == DirectGetErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(e.into()),
+        };
+        seq = msg.sequence;
+        match msg
+            .subject
+            .rsplit('.')
+            .next()
+            .map(str::parse::<ExecutionId>)
+        {
+            Some(Ok(id)) => out.push(id),
+            _ => {
+                tracing::warn!(%session, subject = %msg.subject, "unreadable owned-work note; skipped")
+            }
+        }
+    }
 }
 
 /// Whether `record`'s owner session has stopped.
