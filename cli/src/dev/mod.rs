@@ -224,8 +224,7 @@ async fn demo(client: &async_nats::Client) -> anyhow::Result<()> {
 }
 
 /// The demo schedule's message: two background steps started from one turn.
-const DEMO_SCHEDULED: &str =
-    "run the scheduled checks\n!step lint 2s --scope run\n!step test 3s --scope run\n!sleep 4s";
+const DEMO_SCHEDULED: &str = "run the scheduled checks\n!step lint 2s\n!step test 3s\n!sleep 4s";
 
 /// nats-server from PATH or `.tools/bin`, on 127.0.0.1:`port` with the dev identities' config,
 /// its store under `data_dir`.

@@ -34,7 +34,7 @@ async fn busy(stack: &mut Stack) -> Result<()> {
     let run = stack
         .start_run(
             &s,
-            &["work\n!step ok 300ms --scope run\n!step bad 300ms fail --scope run\n!step cut 30s\n!sleep 1s"],
+            &["work\n!step ok 300ms --scope run\n!step bad 300ms fail --scope run\n!step cut 30s --scope turn\n!sleep 1s"],
             None,
         )
         .await?;

@@ -76,9 +76,10 @@ pub async fn a_step_is_handed_over(
     // No scope was asked for: the step outlives the turn that started it (R7), which ended
     // while it still slept.
     ensure!(started.contains("scope session"), "{started}");
+    // Each CLI wraps the tool's text its own way: the id is the word that starts `stp_`.
     let step: ExecutionId = started
-        .split_whitespace()
-        .nth(2)
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .find(|w| w.starts_with("stp_"))
         .context("the step id in the tool result")?
         .parse()?;
     let live = stack.exec(&step).await?.context("the step's record")?;
