@@ -1,13 +1,15 @@
 //! `turnstile-bench lanes`: lane hand-off latency and lane throughput, measured beside the raw
 //! JetStream floor in the same run on the same nats-server. Prints one JSON object.
 //! `turnstile-bench failover`: how long a SIGKILLed session-lane replica's sessions wait until
-//! the survivor serves them (`failover.rs`).
+//! the survivor serves them (`failover.rs`). `turnstile-bench chaos`: a seeded fault campaign
+//! checked from the history it leaves (`chaos/`).
 //!
 //! Layout: `floor` (publish, PubAck, durable pull, double ack: the raw JetStream floor),
 //! `inproc` (the services started in this process, with the instant agent), `lanes` (hand-off
 //! latency and throughput over the lanes), `completions` (a step's report to the delivery
 //! turn's dispatch). `main` runs them in that order and prints the figures with their ratios.
 
+mod chaos;
 mod cluster;
 mod completions;
 mod deployment;
@@ -54,6 +56,11 @@ fn over(v: &serde_json::Value, base: &serde_json::Value, p: &str) -> f64 {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `chaos`: the fault campaign, with options of its own (`chaos/mod.rs`).
+    if args.first().map(String::as_str) == Some("chaos") {
+        turnstile_shared::telemetry::init_with_default("warn");
+        return chaos::run(&args[1..]).await;
+    }
     // `--auth`: on a deployment's accounts (every service on its own user, the callout on).
     let accounts = args.iter().any(|a| a == "--auth");
     args.retain(|a| a != "--auth");

@@ -58,6 +58,7 @@ impl Plan {
             outcome: StepOutcome::Ok,
             scope: Some(self.scope),
             count: None,
+            trace: None,
         })
     }
 

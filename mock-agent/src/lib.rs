@@ -13,7 +13,7 @@
 //! - `!reply TEXT`: a reply line; any `!reply` replaces the default `ok: <first prose line>`.
 //! - `!exit [CODE]`: exit with `CODE` (default 0) without replying.
 //! - `!hang`: spin until the terminal goes away.
-//! - `!step NAME DUR [ok|fail] [--scope turn|session|detached] [--count N]`: run
+//! - `!step NAME DUR [ok|fail] [--scope turn|session|detached] [--count N] [--trace F]`: run
 //!   `<turnstile> step start --name NAME [--scope S] [--count N] -- sleep SECS` (or
 //!   `sh -c "sleep SECS; exit 1"` for `fail`) and wait for it to exit, where `<turnstile>` is
 //!   `$TURNSTILE_BIN` or this executable. Each line it prints becomes a `step NAME: …` reply

@@ -41,7 +41,8 @@ impl StepScope {
 /// The arguments of a `!step` directive.
 ///
 /// Grammar (whitespace-separated tokens): `NAME DURATION [ok|fail]` as positionals in that order,
-/// with `--scope turn|session|detached` and `--count N` (or `--scope=S`, `--count=N`) anywhere among them.
+/// with `--scope turn|session|detached`, `--count N` and `--trace FILE` (or `--scope=S`, ...)
+/// anywhere among them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepSpec {
     /// The step name (`--name`); one token, not starting with `-`.
@@ -54,6 +55,9 @@ pub struct StepSpec {
     pub scope: Option<StepScope>,
     /// `--count` (at least 1), passed on only when given.
     pub count: Option<u32>,
+    /// `--trace FILE`: the command first appends its step id (`$TURNSTILE_STEP`) to FILE, so
+    /// a checker can count how often each step's command started.
+    pub trace: Option<String>,
 }
 
 impl StepSpec {
@@ -63,6 +67,7 @@ impl StepSpec {
         let mut positionals = Vec::new();
         let mut scope = None;
         let mut count = None;
+        let mut trace = None;
         while let Some(token) = tokens.next() {
             let Some(option) = token.strip_prefix("--") else {
                 positionals.push(token);
@@ -73,14 +78,22 @@ impl StepSpec {
                 None => (option, None),
             };
             match key {
-                "scope" | "count" => {}
+                "scope" | "count" | "trace" => {}
                 _ => return Err(format!("unknown option {token:?}")),
             }
             let value = inline
                 .or_else(|| tokens.next())
                 .filter(|value| !value.is_empty())
                 .ok_or_else(|| format!("--{key} needs a value"))?;
-            if key == "scope" {
+            if key == "trace" {
+                if trace.is_some() {
+                    return Err("--trace given twice".to_string());
+                }
+                if value.contains('\'') {
+                    return Err(format!("--trace {value:?} must not contain a quote"));
+                }
+                trace = Some(value.to_string());
+            } else if key == "scope" {
                 if scope.is_some() {
                     return Err("--scope given twice".to_string());
                 }
@@ -121,6 +134,7 @@ impl StepSpec {
             outcome,
             scope,
             count,
+            trace,
         })
     }
 
@@ -139,6 +153,18 @@ impl StepSpec {
         }
         args.push("--".into());
         let seconds = decimal_seconds(self.duration);
+        if let Some(trace) = &self.trace {
+            let exit = match self.outcome {
+                StepOutcome::Ok => "",
+                StepOutcome::Fail => "; exit 1",
+            };
+            args.push("sh".into());
+            args.push("-c".into());
+            args.push(format!(
+                "echo \"$TURNSTILE_STEP\" >> '{trace}'; sleep {seconds}{exit}"
+            ));
+            return args;
+        }
         match self.outcome {
             StepOutcome::Ok => {
                 args.push("sleep".into());
@@ -192,6 +218,7 @@ mod tests {
                 outcome: StepOutcome::Ok,
                 scope: None,
                 count: None,
+                trace: None,
             }
         );
         assert_eq!(
@@ -217,6 +244,25 @@ mod tests {
                 "-c",
                 "sleep 0.5; exit 1"
             ]
+        );
+    }
+
+    #[test]
+    fn a_traced_step_logs_its_id_before_it_sleeps() {
+        let spec = step("t 2 fail --trace /tmp/starts.log");
+        assert_eq!(spec.trace.as_deref(), Some("/tmp/starts.log"));
+        assert_eq!(
+            args(&spec)[4..],
+            [
+                "--",
+                "sh",
+                "-c",
+                "echo \"$TURNSTILE_STEP\" >> '/tmp/starts.log'; sleep 2; exit 1"
+            ]
+        );
+        assert_eq!(
+            step_error("t 2 --trace /a'b"),
+            r#"--trace "/a'b" must not contain a quote"#
         );
     }
 

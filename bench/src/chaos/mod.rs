@@ -1,0 +1,396 @@
+//! `turnstile-bench chaos`: a fault campaign. A mixed workload (`workload`) runs on a whole
+//! deployment of processes (`stack`: two replicas of every service, two transport hosts with
+//! mock agents, one nats-server or a three-node cluster with `--replicas 3`) while a plan drawn
+//! from a seed (`plan`) kills, pauses and cuts them, several faults at once (`inject`). Then
+//! the faults stop, the stack must go quiet within a bound (liveness), and the history it left
+//! (`history`) is checked against the rules (`check`). Prints the seed first (the same seed
+//! replays the same plan) and the figures last, as JSON; exits non-zero on any violation.
+//!
+//! `turnstile-bench chaos [--seed N] [--minutes M] [--every SECS] [--replicas 3]
+//! [--out FILE] [--plan]` (`--plan`: print the plan and stop).
+
+pub mod check;
+mod history;
+mod inject;
+mod plan;
+mod stack;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+use tokio::sync::Mutex;
+use turnstile_shared::api::SessionView;
+use turnstile_shared::subjects::api as subj;
+
+use history::History;
+use inject::{Injected, Injector};
+use stack::{ChaosStack, BROKERS, HOSTS, LANES, SCHEDULERS};
+
+/// How long the stack may take to go quiet once the faults stopped.
+const LIVENESS_BOUND: Duration = Duration::from_secs(240);
+/// A service's resident memory above this at the end is a violation.
+const MEMORY_BOUND_KB: u64 = 1024 * 1024;
+
+struct Args {
+    seed: u64,
+    window: Duration,
+    every: Duration,
+    replicas: usize,
+    out: Option<std::path::PathBuf>,
+    plan_only: bool,
+}
+
+fn parse(args: &[String]) -> Result<Args> {
+    let mut out = Args {
+        seed: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1),
+        window: Duration::from_secs(600),
+        every: Duration::from_secs(6),
+        replicas: 1,
+        out: None,
+        plan_only: false,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--seed" => out.seed = value()?.parse().context("--seed")?,
+            "--minutes" => {
+                let m: f64 = value()?.parse().context("--minutes")?;
+                if !(m > 0.0 && m <= 24.0 * 60.0) {
+                    bail!("--minutes must be above 0 and at most a day");
+                }
+                out.window = Duration::from_secs_f64(m * 60.0);
+            }
+            "--every" => out.every = Duration::from_secs_f64(value()?.parse().context("--every")?),
+            "--replicas" => {
+                out.replicas = value()?.parse().context("--replicas")?;
+                if out.replicas != 1 && out.replicas != 3 {
+                    bail!("--replicas takes 1 or 3");
+                }
+            }
+            "--out" => out.out = Some(value()?.into()),
+            "--plan" => out.plan_only = true,
+            other => bail!("chaos: unknown argument {other:?}"),
+        }
+    }
+    Ok(out)
+}
+
+fn targets(replicas: usize) -> plan::Targets {
+    let mut services: Vec<String> = LANES.iter().map(|r| format!("lane-{r}")).collect();
+    services.extend(BROKERS.iter().map(|r| format!("broker-{r}")));
+    services.extend(SCHEDULERS.iter().map(|r| format!("scheduler-{r}")));
+    services.extend(HOSTS.iter().map(|h| format!("transport-{h}")));
+    plan::Targets {
+        services,
+        transports: HOSTS.iter().map(|h| format!("transport-{h}")).collect(),
+        hosts: HOSTS.iter().map(|h| h.to_string()).collect(),
+        nats_nodes: if replicas > 1 {
+            (0..replicas).map(|i| format!("nats-{i}")).collect()
+        } else {
+            Vec::new()
+        },
+    }
+}
+
+pub async fn run(args: &[String]) -> Result<()> {
+    let args = parse(args)?;
+    let plan = plan::draw(args.seed, args.window, args.every, &targets(args.replicas));
+    eprintln!(
+        "chaos: seed {} ({} faults over {:.1} min, {} nats node(s)); replay with --seed {}",
+        args.seed,
+        plan.len(),
+        args.window.as_secs_f64() / 60.0,
+        args.replicas,
+        args.seed
+    );
+    if args.plan_only {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+        return Ok(());
+    }
+    let stack = ChaosStack::start(args.replicas).await?;
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(stack.url())
+        .await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let trace = stack.step_log();
+    let (mock_dir, log_dir) = (stack.mock_dir(), stack.log_dir().to_path_buf());
+    let sessions = workload::create(&client, &HOSTS).await?;
+    let crons = workload::schedules(&client, &sessions.scheduled, &trace).await?;
+    let stack = Arc::new(Mutex::new(stack));
+    let agents = agents_of(&client, &sessions).await?;
+    let injector = Arc::new(Injector::new(
+        stack.clone(),
+        client.clone(),
+        &sessions,
+        &agents,
+        args.seed,
+    ));
+    let counts = workload::Counts::default();
+    let started = Instant::now();
+    let faults = {
+        let injector = injector.clone();
+        let plan = plan.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            for fault in plan {
+                tokio::time::sleep_until(tokio::time::Instant::from_std(started + fault.at)).await;
+                let injector = injector.clone();
+                held.push(tokio::spawn(async move { injector.apply(&fault).await }));
+            }
+            let mut out = Vec::new();
+            for h in held {
+                if let Ok(i) = h.await {
+                    out.push(i);
+                }
+            }
+            out
+        })
+    };
+    let mut driver = workload::Driver::new(&client, &sessions, &trace, args.seed, &counts);
+    let mut doomed = 0;
+    while started.elapsed() < args.window {
+        driver.step().await;
+        if doomed == 0 && started.elapsed() > args.window / 3 {
+            doomed = 1;
+            if let Err(e) = driver.doomed_work().await {
+                eprintln!("chaos: work for the session to stop was refused: {e:#}");
+            }
+        } else if doomed == 1 && started.elapsed() > args.window / 2 {
+            doomed = 2;
+            if let Err(e) = driver.stop_doomed().await {
+                eprintln!("chaos: the stop was refused: {e:#}");
+            }
+        }
+        let pause = driver.rng.millis(200, 700);
+        tokio::time::sleep(pause).await;
+    }
+    let injected = faults.await.context("fault task")?;
+    inject::heal(&stack).await?;
+    workload::pause(&client, &crons).await?;
+    eprintln!("chaos: faults over; waiting for the stack to go quiet");
+    let quiet_from = Instant::now();
+    let liveness = quiet(&client, &js, &mock_dir, &trace, &crons).await;
+    let liveness_s = quiet_from.elapsed().as_secs_f64();
+    let history = History::load(&js, &mock_dir, &trace, crons).await?;
+    let mut violations = check::check(&history);
+    if let Err(e) = &liveness {
+        eprintln!("chaos: not quiet within {LIVENESS_BOUND:?}: {e:#}");
+    }
+    let memory = memory(&stack).await;
+    let over: Vec<_> = memory
+        .iter()
+        .filter(|(_, kb)| **kb > MEMORY_BOUND_KB)
+        .map(|(s, kb)| format!("{s}: {kb} kB"))
+        .collect();
+    let figures = figures(
+        &args,
+        &injected,
+        &violations,
+        liveness.is_ok().then_some(liveness_s),
+        &history,
+        &counts,
+        &memory,
+    );
+    let text = serde_json::to_string_pretty(&figures)?;
+    println!("{text}");
+    if let Some(path) = &args.out {
+        std::fs::write(path, &text).with_context(|| format!("write {}", path.display()))?;
+    }
+    for v in &violations {
+        eprintln!("chaos: VIOLATION {}", serde_json::to_string(v)?);
+    }
+    violations.truncate(0);
+    let n = figures["violations"].as_u64().unwrap_or(0);
+    if n > 0 || liveness.is_err() || !over.is_empty() {
+        bail!(
+            "chaos: seed {}: {n} violation(s), liveness {}, memory over bound {over:?}; logs in {}",
+            args.seed,
+            if liveness.is_ok() {
+                "ok"
+            } else {
+                "NOT reached"
+            },
+            log_dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// The sessions whose agents a fault may kill, with their hosts.
+async fn agents_of(
+    client: &async_nats::Client,
+    sessions: &workload::Sessions,
+) -> Result<Vec<(String, turnstile_shared::SessionId)>> {
+    let mut out = Vec::new();
+    for s in sessions.manual.iter().chain(&sessions.scheduled) {
+        let view: SessionView = workload::call(
+            client,
+            subj::SESSION_SHOW,
+            &turnstile_shared::api::SessionRef { session: s.clone() },
+        )
+        .await?;
+        out.push((view.session.host.to_string(), s.clone()));
+    }
+    Ok(out)
+}
+
+/// Waits until every active session is idle with nothing pending and every turn, run and
+/// step has ended, within [`LIVENESS_BOUND`].
+async fn quiet(
+    client: &async_nats::Client,
+    js: &async_nats::jetstream::Context,
+    mock_dir: &std::path::Path,
+    trace: &std::path::Path,
+    crons: &[history::ScheduleCron],
+) -> Result<()> {
+    let deadline = Instant::now() + LIVENESS_BOUND;
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        match still_busy(client, js, mock_dir, trace, crons).await {
+            Ok(None) => return Ok(()),
+            Ok(Some(why)) => last = why,
+            Err(e) => last = format!("{e:#}"),
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    bail!("still busy: {last}")
+}
+
+async fn still_busy(
+    client: &async_nats::Client,
+    js: &async_nats::jetstream::Context,
+    mock_dir: &std::path::Path,
+    trace: &std::path::Path,
+    crons: &[history::ScheduleCron],
+) -> Result<Option<String>> {
+    let h = History::load(js, mock_dir, trace, crons.to_vec()).await?;
+    if let Some(t) = h.turns.values().find(|t| !t.state.is_terminal()) {
+        return Ok(Some(format!("turn {} not ended", t.id)));
+    }
+    if let Some(r) = h.runs.values().find(|r| !r.state.is_terminal()) {
+        return Ok(Some(format!("run {} not ended", r.id)));
+    }
+    if let Some(e) = h.executions.values().find(|e| !e.status.is_terminal()) {
+        return Ok(Some(format!("execution {} not ended", e.id)));
+    }
+    for s in h.sessions.values().filter(|s| s.is_active()) {
+        let view: SessionView = workload::call(
+            client,
+            subj::SESSION_SHOW,
+            &turnstile_shared::api::SessionRef {
+                session: s.id.clone(),
+            },
+        )
+        .await?;
+        if view.busy || view.queued > 0 || view.pending > 0 {
+            return Ok(Some(format!(
+                "session {} busy {} queued {} pending {}",
+                s.id, view.busy, view.queued, view.pending
+            )));
+        }
+    }
+    Ok(None)
+}
+
+/// Each service's resident memory (kB) now.
+async fn memory(stack: &Mutex<ChaosStack>) -> BTreeMap<String, u64> {
+    let stack = stack.lock().await;
+    let mut out = BTreeMap::new();
+    for (name, p) in &stack.services {
+        let kb = p
+            .pid()
+            .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.split_whitespace().next())
+                    .and_then(|v| v.parse().ok())
+            })
+            .unwrap_or(0);
+        out.insert(name.clone(), kb);
+    }
+    out
+}
+
+fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted.get(rank.min(sorted.len() - 1)).copied()
+}
+
+fn figures(
+    args: &Args,
+    injected: &[Injected],
+    violations: &[check::Violation],
+    liveness_s: Option<f64>,
+    history: &History,
+    counts: &workload::Counts,
+    memory: &BTreeMap<String, u64>,
+) -> serde_json::Value {
+    let mut by_kind: BTreeMap<&str, Vec<&Injected>> = BTreeMap::new();
+    for i in injected {
+        by_kind.entry(i.kind).or_default().push(i);
+    }
+    let faults: serde_json::Map<String, serde_json::Value> = by_kind
+        .iter()
+        .map(|(kind, list)| {
+            let applied: Vec<_> = list.iter().filter(|i| i.skipped.is_none()).collect();
+            let mut rec: Vec<u64> = applied.iter().filter_map(|i| i.recovery_ms).collect();
+            rec.sort_unstable();
+            (
+                kind.to_string(),
+                json!({
+                    "injected": applied.len(),
+                    "not_applicable": list.len() - applied.len(),
+                    "recovered": rec.len(),
+                    "recovery_p50_ms": percentile(&rec, 50.0),
+                    "recovery_p99_ms": percentile(&rec, 99.0),
+                    "recovery_max_ms": rec.last(),
+                }),
+            )
+        })
+        .collect();
+    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+    for v in violations {
+        *kinds.entry(v.kind()).or_default() += 1;
+    }
+    json!({
+        "seed": args.seed,
+        "minutes": args.window.as_secs_f64() / 60.0,
+        "nats_nodes": args.replicas,
+        "faults": faults,
+        "timeline": injected,
+        "violations": violations.len(),
+        "violations_by_kind": kinds,
+        "violation_list": violations,
+        "liveness_s": liveness_s,
+        "liveness_bound_s": LIVENESS_BOUND.as_secs(),
+        "workload": {
+            "turns_sent": counts.turns.load(Ordering::Relaxed),
+            "runs_started": counts.runs.load(Ordering::Relaxed),
+            "cancels": counts.cancels.load(Ordering::Relaxed),
+            "retries": counts.retries.load(Ordering::Relaxed),
+            "refused_calls": counts.refused.load(Ordering::Relaxed),
+        },
+        "history": {
+            "turns": history.turns.len(),
+            "executions": history.executions.len(),
+            "runs": history.runs.len(),
+            "slots": history.slots.len(),
+            "step_starts": history.step_starts.values().sum::<u32>(),
+        },
+        "memory_kb": memory,
+    })
+}

@@ -1,0 +1,231 @@
+//! The campaign's deployment: one nats-server or three on loopback, every service as its own
+//! process (two replicas of each, two transport hosts with mock agents in tmux), with the short
+//! timings the test suite uses, so fail-overs take seconds. Each process can be SIGKILLed and
+//! started again, or paused and resumed, by its name.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use turnstile_tests::{bin_path, NatsServer, ServiceProcess};
+
+/// Session-lane, broker and scheduler replicas, and the transport hosts.
+pub const LANES: [&str; 2] = ["a", "b"];
+pub const BROKERS: [&str; 2] = ["b1", "b2"];
+pub const SCHEDULERS: [&str; 2] = ["s1", "s2"];
+pub const HOSTS: [&str; 2] = ["h1", "h2"];
+
+/// The services' timings: ack waits and pin TTL of 2 s, host TTL of 3 s (as the suite's).
+pub const TIMINGS: [(&str, &str); 4] = [
+    ("TURNSTILE_LANE_ACK_WAIT", "2s"),
+    ("TURNSTILE_LANE_PIN_TTL", "2s"),
+    ("TURNSTILE_TRANSPORT_ACK_WAIT", "2s"),
+    ("TURNSTILE_HOST_TTL", "3s"),
+];
+
+pub struct ChaosStack {
+    pub nats: Vec<NatsServer>,
+    /// By name: `lane-a`, `broker-b1`, `scheduler-s1`, `transport-h1`.
+    pub services: BTreeMap<String, ServiceProcess>,
+    pub dir: tempfile::TempDir,
+}
+
+impl ChaosStack {
+    pub async fn start(replicas: usize) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("ts-chaos-").tempdir()?;
+        let nats = if replicas > 1 {
+            crate::cluster::start(dir.path(), crate::cluster::Sync::Default).await?
+        } else {
+            vec![NatsServer::start().await?]
+        };
+        let mut stack = Self {
+            nats,
+            services: BTreeMap::new(),
+            dir,
+        };
+        stack.provision(replicas).await?;
+        for r in LANES {
+            stack.spawn(
+                "turnstile-session-lane",
+                &format!("lane-{r}"),
+                &["--replica", r],
+            )?;
+        }
+        for r in BROKERS {
+            stack.spawn(
+                "turnstile-notification-broker",
+                &format!("broker-{r}"),
+                &["--replica", r],
+            )?;
+        }
+        for r in SCHEDULERS {
+            stack.spawn(
+                "turnstile-scheduler",
+                &format!("scheduler-{r}"),
+                &["--replica", r],
+            )?;
+        }
+        for h in HOSTS {
+            let data = stack.host_dir(h).to_string_lossy().into_owned();
+            let mock = stack.mock_dir().to_string_lossy().into_owned();
+            let agent = bin_path("turnstile")?.to_string_lossy().into_owned();
+            stack.spawn(
+                "turnstile-transport-agent",
+                &format!("transport-{h}"),
+                &[
+                    "--host",
+                    h,
+                    "--data-dir",
+                    &data,
+                    "--mock-state-dir",
+                    &mock,
+                    "--agent-bin",
+                    &agent,
+                    "--ready-timeout",
+                    "20s",
+                ],
+            )?;
+        }
+        Ok(stack)
+    }
+
+    /// Every node's URL, for clients that fail over between them.
+    pub fn url(&self) -> String {
+        self.nats
+            .iter()
+            .map(NatsServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn mock_dir(&self) -> PathBuf {
+        self.dir.path().join("mock-agent")
+    }
+
+    pub fn host_dir(&self, host: &str) -> PathBuf {
+        self.dir.path().join(format!("host-{host}"))
+    }
+
+    /// Where traced step commands log each start.
+    pub fn step_log(&self) -> PathBuf {
+        self.dir.path().join("step-starts.log")
+    }
+
+    async fn provision(&self, replicas: usize) -> Result<()> {
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect(self.url())
+            .await?;
+        let js = async_nats::jetstream::new(client);
+        let topology = turnstile_shared::topology::TopologyConfig {
+            lane_ack_wait: Duration::from_secs(2),
+            lane_pin_ttl: Duration::from_secs(2),
+            transport_ack_wait: Duration::from_secs(2),
+            host_ttl: Duration::from_secs(3),
+            replicas,
+            ..Default::default()
+        };
+        turnstile_shared::topology::provision(&js, &topology).await?;
+        Ok(())
+    }
+
+    fn spawn(&mut self, bin: &str, name: &str, args: &[&str]) -> Result<()> {
+        let mut env: Vec<(String, String)> = TIMINGS
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        env.push(("TURNSTILE_NATS_URL".into(), self.url()));
+        env.push(("RUST_LOG".into(), "info,async_nats=warn".into()));
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let p =
+            ServiceProcess::spawn_in(self.dir.path(), bin, &args, &env, &format!("{name}.log"))?;
+        self.services.insert(name.to_string(), p);
+        Ok(())
+    }
+
+    pub fn service(&mut self, name: &str) -> Result<&mut ServiceProcess> {
+        self.services
+            .get_mut(name)
+            .with_context(|| format!("no service {name}"))
+    }
+
+    pub fn nats_node(&mut self, name: &str) -> Result<&mut NatsServer> {
+        let i: usize = name
+            .strip_prefix("nats-")
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("no nats node {name}"))?;
+        self.nats
+            .get_mut(i)
+            .with_context(|| format!("no nats node {name}"))
+    }
+
+    /// The tmux socket of a host's transport agent.
+    pub fn tmux_socket(&self, host: &str) -> PathBuf {
+        self.host_dir(host).join("tmux.sock")
+    }
+
+    /// The pid of the agent in a session's pane on `host`, if it has one.
+    pub fn agent_pid(&self, host: &str, session: &str) -> Option<u32> {
+        let out = std::process::Command::new("tmux")
+            .arg("-S")
+            .arg(self.tmux_socket(host))
+            .args([
+                "list-panes",
+                "-t",
+                &format!("={session}"),
+                "-F",
+                "#{pane_pid}",
+            ])
+            .output()
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+    }
+
+    /// Kills a host's tmux server (every terminal of the host at once).
+    pub fn kill_tmux(&self, host: &str) -> Result<()> {
+        let status = std::process::Command::new("tmux")
+            .arg("-S")
+            .arg(self.tmux_socket(host))
+            .arg("kill-server")
+            .stderr(std::process::Stdio::null())
+            .status()?;
+        // A host whose tmux server is gone already has nothing to kill: not an error.
+        let _ = status;
+        Ok(())
+    }
+
+    pub fn log_dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for ChaosStack {
+    /// Paused processes are resumed so their SIGKILL on drop takes; tmux servers are ended.
+    fn drop(&mut self) {
+        for p in self.services.values() {
+            if let Some(pid) = p.pid() {
+                let _ = signal(pid, rustix::process::Signal::CONT);
+            }
+        }
+        for n in &self.nats {
+            if let Some(pid) = n.pid() {
+                let _ = signal(pid, rustix::process::Signal::CONT);
+            }
+        }
+        for h in HOSTS {
+            let _ = self.kill_tmux(h);
+        }
+    }
+}
+
+/// One signal to one process (never a group: see the workplace's warning about `kill -PGID`).
+pub fn signal(pid: u32, sig: rustix::process::Signal) -> Result<()> {
+    let raw = i32::try_from(pid)?;
+    if raw <= 1 {
+        bail!("refusing to signal pid {pid}");
+    }
+    let pid = rustix::process::Pid::from_raw(raw).context("pid")?;
+    rustix::process::kill_process(pid, sig).with_context(|| format!("signal {raw}"))?;
+    Ok(())
+}
