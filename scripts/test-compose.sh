@@ -112,7 +112,7 @@ streams = [s for a in jsz.get("account_details", []) for s in a.get("stream_deta
 names = sorted(s["name"] for s in streams)
 short = [s["name"] for s in streams if s["config"].get("num_replicas") != 3]
 peers = {s["name"]: 1 + len(s.get("cluster", {}).get("replicas", [])) for s in streams}
-assert len(streams) == 15, f"expected 6 streams and 9 buckets, found {names}"
+assert len(streams) == 16, f"expected 6 streams and 10 buckets, found {names}"
 assert not short, f"not three copies: {short}"
 assert all(n == 3 for n in peers.values()), f"copies placed: {peers}"
 print(f"test-compose: {len(streams)} streams and buckets, three copies each")
