@@ -212,6 +212,7 @@ pub async fn run(args: &[String]) -> Result<()> {
     violations.truncate(0);
     let n = figures["violations"].as_u64().unwrap_or(0);
     if n > 0 || liveness.is_err() || !over.is_empty() {
+        stack.lock().await.keep();
         bail!(
             "chaos: seed {}: {n} violation(s), liveness {}, memory over bound {over:?}; logs in {}",
             args.seed,

@@ -28,7 +28,9 @@ pub struct ChaosStack {
     pub nats: Vec<NatsServer>,
     /// By name: `lane-a`, `broker-b1`, `scheduler-s1`, `transport-h1`.
     pub services: BTreeMap<String, ServiceProcess>,
-    pub dir: tempfile::TempDir,
+    /// Logs, stores, mock agents' transcripts; kept after a failed campaign (`keep`).
+    dir: PathBuf,
+    cleanup: Option<tempfile::TempDir>,
 }
 
 impl ChaosStack {
@@ -42,7 +44,8 @@ impl ChaosStack {
         let mut stack = Self {
             nats,
             services: BTreeMap::new(),
-            dir,
+            dir: dir.path().to_path_buf(),
+            cleanup: Some(dir),
         };
         stack.provision(replicas).await?;
         for r in LANES {
@@ -100,16 +103,16 @@ impl ChaosStack {
     }
 
     pub fn mock_dir(&self) -> PathBuf {
-        self.dir.path().join("mock-agent")
+        self.dir.as_path().join("mock-agent")
     }
 
     pub fn host_dir(&self, host: &str) -> PathBuf {
-        self.dir.path().join(format!("host-{host}"))
+        self.dir.as_path().join(format!("host-{host}"))
     }
 
     /// Where traced step commands log each start.
     pub fn step_log(&self) -> PathBuf {
-        self.dir.path().join("step-starts.log")
+        self.dir.as_path().join("step-starts.log")
     }
 
     async fn provision(&self, replicas: usize) -> Result<()> {
@@ -139,7 +142,7 @@ impl ChaosStack {
         env.push(("RUST_LOG".into(), "info,async_nats=warn".into()));
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let p =
-            ServiceProcess::spawn_in(self.dir.path(), bin, &args, &env, &format!("{name}.log"))?;
+            ServiceProcess::spawn_in(self.dir.as_path(), bin, &args, &env, &format!("{name}.log"))?;
         self.services.insert(name.to_string(), p);
         Ok(())
     }
@@ -196,7 +199,14 @@ impl ChaosStack {
     }
 
     pub fn log_dir(&self) -> &Path {
-        self.dir.path()
+        self.dir.as_path()
+    }
+
+    /// Keeps the campaign's directory (logs, transcripts) after the stack is gone.
+    pub fn keep(&mut self) {
+        if let Some(d) = self.cleanup.take() {
+            let _ = d.keep();
+        }
     }
 }
 

@@ -59,10 +59,9 @@ async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message, shutdown: CancellationTo
         return;
     }
     let outcome = run_step(&ctx, &msg, &item, argv, cwd.as_deref(), &shutdown).await;
-    ctx.running_steps_remove(&item.step);
     match outcome {
         Some(report) => {
-            if deliver_report(&ctx, &item, report, &shutdown).await {
+            if deliver_report(&ctx, &msg, &item, report, &shutdown).await {
                 let _ = msg.double_ack().await;
             }
         }
@@ -71,6 +70,10 @@ async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message, shutdown: CancellationTo
             let _ = msg.double_ack().await;
         }
     }
+    // Only now: until its report is taken and its work acked, a redelivery of the step is
+    // this process's own, and must not run it again (the broker takes a start from the
+    // worker that holds the step as a retry of that start).
+    ctx.running_steps_remove(&item.step);
 }
 
 /// Runs the step; `None` when it must not run here.
@@ -305,12 +308,31 @@ async fn send(ctx: &Ctx, req: &StepReport) -> Result<ReportAck, String> {
     }
 }
 
-/// Reports the outcome, retrying until the broker takes it (its result must not be lost).
+/// Reports the outcome, retrying until the broker takes it (its result must not be lost), and
+/// keeps the work message in progress meanwhile, so it is not handed out again while no
+/// broker answers (a redelivery would find the step still this worker's, and run it twice).
 async fn deliver_report(
     ctx: &Ctx,
+    msg: &jetstream::Message,
     item: &StepWorkItem,
     report: Report,
     shutdown: &CancellationToken,
 ) -> bool {
-    call(ctx, item, report, shutdown).await.is_some()
+    let period = ctx
+        .config
+        .topology
+        .progress_interval()
+        .min(Duration::from_secs(5));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    let delivered = call(ctx, item, report, shutdown);
+    tokio::pin!(delivered);
+    loop {
+        tokio::select! {
+            biased;
+            answer = &mut delivered => return answer.is_some(),
+            _ = tick.tick() => {
+                let _ = msg.ack_with(AckKind::Progress).await;
+            }
+        }
+    }
 }

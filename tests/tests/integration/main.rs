@@ -6,6 +6,7 @@ mod agents;
 mod asyncapi;
 mod bad_input;
 mod bench;
+mod campaign_found;
 mod cancel_races;
 mod children;
 mod claude;
