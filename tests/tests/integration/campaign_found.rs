@@ -36,9 +36,11 @@ async fn report_waits(stack: &mut Stack) -> Result<()> {
             .map(|t| t.lines().count())
             .unwrap_or(0)
     };
-    wait_until("the step's command to start", Duration::from_secs(20), || async {
-        Ok((starts() > 0).then_some(()))
-    })
+    wait_until(
+        "the step's command to start",
+        Duration::from_secs(20),
+        || async { Ok((starts() > 0).then_some(())) },
+    )
     .await?;
     // The only broker freezes while the command sleeps; the command exits after 1 s and its
     // report then waits. The fault is held for three times the work's ack wait.
@@ -63,5 +65,81 @@ async fn report_waits(stack: &mut Stack) -> Result<()> {
     let n = starts();
     ensure!(n == 1, "the step's command started {n} times");
     let _ = step.id.as_step().context("a step")?;
+    Ok(())
+}
+
+/// R13: a run cancelled at the boundary after it recorded its next turn and before it typed
+/// it leaves no turn queued for ever: that turn fails with the run's reason. The campaign left
+/// four such turns in 2 minutes of `cancel_other` slots (seed 1); unloaded, the window is too
+/// narrow to hit by timing, so the run is put in that state as the driver leaves it (its
+/// progress naming a recorded, untyped turn, and a cancel recorded) while it waits on its
+/// lane, and the driver then meets it at its boundary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_cancelled_before_typing_its_next_turn_leaves_no_turn_queued() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = cancelled_at_the_boundary(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn cancelled_at_the_boundary(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::records::{TurnRecord, TurnState};
+    use turnstile_shared::runs::{CancelRequest, MessageProgress, RunRecord, RunState};
+    use turnstile_shared::subjects;
+    let s = stack.create_session("cancel-boundary", None).await?;
+    let busy = stack.send(&s, "!sleep 3s").await?;
+    stack.wait_running(&busy).await?;
+    let text = "[boundary] never typed";
+    let run = stack.start_run(&s, &[text], None).await?;
+    let turn = run.turn_id(0, 0);
+    let turns = stack.js.get_key_value(subjects::TURNS_BUCKET).await?;
+    let record = TurnRecord {
+        id: turn.clone(),
+        session: s.clone(),
+        text: text.to_string(),
+        queued_at: chrono::Utc::now(),
+        delivery: None,
+        parent: Some(ExecutionId::message(&run.id, 0)),
+        state: TurnState::Queued,
+    };
+    turns
+        .create(turn.as_str(), serde_json::to_vec(&record)?.into())
+        .await?;
+    let runs = stack.js.get_key_value(subjects::RUNS_BUCKET).await?;
+    let entry = runs
+        .entry(run.id.as_str())
+        .await?
+        .context("the run's record")?;
+    let mut rec: RunRecord = serde_json::from_slice(&entry.value)?;
+    ensure!(rec.state == RunState::Queued, "the run is {:?}", rec.state);
+    rec.progress = vec![MessageProgress {
+        turns: vec![turn.clone()],
+        done: false,
+    }];
+    rec.cancel = Some(CancelRequest {
+        at: chrono::Utc::now(),
+        by: "the boundary test".into(),
+    });
+    runs.update(
+        run.id.as_str(),
+        serde_json::to_vec(&rec)?.into(),
+        entry.revision,
+    )
+    .await?;
+    let done = stack.wait_run(&run.id, Duration::from_secs(20)).await?;
+    ensure!(
+        matches!(&done.state, RunState::Failed { reason, .. } if reason == "cancelled"),
+        "the run ended {:?}",
+        done.state
+    );
+    let left = stack.wait_turn(&turn, Duration::from_secs(10)).await?;
+    match &left.state {
+        TurnState::Failed { reason, detail, .. }
+            if reason == "cancelled" && detail.contains("before this turn was typed") => {}
+        other => anyhow::bail!("the untyped turn was left {other:?}"),
+    }
+    ensure!(
+        !stack.transcript(&s).await?.iter().any(|m| m == text),
+        "the turn was typed"
+    );
     Ok(())
 }

@@ -373,6 +373,7 @@ impl Driver<'_> {
         } else {
             // What the run started dies with it (R7): a completed run has none left (R5).
             self.cancel_owned_work(&next).await;
+            self.fail_untyped_turn(&next).await;
             EventKind::RunFailed
         };
         let data = json!({ "state": next.state, "rounds": next.rounds() });
@@ -383,6 +384,55 @@ impl Driver<'_> {
 }
 
 impl Driver<'_> {
+    /// The hand-over turn a run recorded but ended before typing (a cancel, or its time,
+    /// seen at the boundary) fails with the run's reason: no record may say it waits for a
+    /// lane that will never type it (R13). What it carried was given back, and is handed over
+    /// by the session's next delivery.
+    async fn fail_untyped_turn(&self, run: &RunRecord) {
+        let RunState::Failed { reason, .. } = &run.state else {
+            return;
+        };
+        let Some(turn) = run.progress.last().and_then(|m| m.turns.last()) else {
+            return;
+        };
+        let ended_at = Utc::now();
+        let wrote = std::sync::atomic::AtomicBool::new(false);
+        let failed = self
+            .ctx
+            .buckets
+            .turns
+            .modify::<TurnRecord, _>(turn.as_str(), |cur| match cur {
+                Some(r) if r.state == TurnState::Queued => {
+                    wrote.store(true, std::sync::atomic::Ordering::Relaxed);
+                    Change::Write(TurnRecord {
+                        state: TurnState::Failed {
+                            ended_at,
+                            reason: reason.clone(),
+                            detail: format!("the run ended ({reason}) before this turn was typed"),
+                            output: Vec::new(),
+                        },
+                        ..r.clone()
+                    })
+                }
+                _ => {
+                    wrote.store(false, std::sync::atomic::Ordering::Relaxed);
+                    Change::Keep
+                }
+            })
+            .await;
+        match failed {
+            Ok(Some(rec)) if wrote.load(std::sync::atomic::Ordering::Relaxed) => {
+                if let Ok(ev) = crate::handoff::outcome_event(&rec) {
+                    if let Err(e) = turnstile_shared::events::publish(&self.ctx.js, &ev).await {
+                        tracing::warn!(%turn, error = %e, "publish the untyped turn's end");
+                    }
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(run = %run.id, %turn, error = %e, "fail the untyped turn"),
+        }
+    }
+
     async fn cancel_owned_work(&self, run: &RunRecord) {
         for turn in run.progress.iter().flat_map(|m| m.turns.iter()) {
             let req = ExecRef {
