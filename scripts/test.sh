@@ -23,6 +23,8 @@ cargo build --workspace --bins
 cargo check -p turnstile-bench --bins
 # Unit tests first, the integration suite last (its summary closes the run).
 cargo test --workspace --lib --bins
+# The decoders' mutation fuzzer for longer than the unit test's rounds (fixed seed).
+SEED=1 ROUNDS=20000 scripts/fuzz.sh
 # The fault campaign (docs/reliability.md): a fixed seed, a few minutes of overlapping faults
 # on every service, checked from the history it leaves; exits non-zero on any violation.
 target/debug/turnstile-bench chaos --seed "${CHAOS_SEED:-1}" --minutes "${CHAOS_MINUTES:-5}" \

@@ -34,6 +34,8 @@ pub mod duration;
 pub mod envelope;
 pub mod events;
 pub mod execution;
+#[cfg(test)]
+mod fuzz;
 pub mod health;
 pub mod ids;
 pub mod js_codes;
