@@ -122,7 +122,7 @@ fn panel(
 }
 
 /// Registers the system's DejaVu Sans for labels; false when it is not installed.
-fn register_font() -> bool {
+pub(crate) fn register_font() -> bool {
     let Ok(bytes) = std::fs::read(FONT) else {
         return false;
     };

@@ -39,8 +39,22 @@ impl Rng {
 
 /// Tokens JSON decoders trip on.
 const TOKENS: [&str; 16] = [
-    "{", "}", "[", "]", "\"", ":", ",", "null", "true", "-1", "1e999", "18446744073709551616",
-    "\"\\u0000\"", "\"\\ud800\"", "0.5", "\"v\":2",
+    "{",
+    "}",
+    "[",
+    "]",
+    "\"",
+    ":",
+    ",",
+    "null",
+    "true",
+    "-1",
+    "1e999",
+    "18446744073709551616",
+    "\"\\u0000\"",
+    "\"\\ud800\"",
+    "0.5",
+    "\"v\":2",
 ];
 
 /// Values swapped in for a leaf or a field.
@@ -189,8 +203,16 @@ fn targets() -> Vec<(&'static str, Decoder, Vec<u8>)> {
         "children": [], "status": "queued"});
     let bytes = |v: Value| serde_json::to_vec(&v).unwrap_or_default();
     vec![
-        ("lane item", lane_item as Decoder, env(lane.to_envelope(&session))),
-        ("turn command", enveloped::<TurnCommand>, env(command.envelope())),
+        (
+            "lane item",
+            lane_item as Decoder,
+            env(lane.to_envelope(&session)),
+        ),
+        (
+            "turn command",
+            enveloped::<TurnCommand>,
+            env(command.envelope()),
+        ),
         (
             "start command",
             enveloped::<StartCommand>,
@@ -214,7 +236,9 @@ fn targets() -> Vec<(&'static str, Decoder, Vec<u8>)> {
         (
             "step start",
             plain::<StartStep>,
-            bytes(json!({"caller": caller, "name": "n", "work": {"kind": "command", "argv": ["true"]}})),
+            bytes(
+                json!({"caller": caller, "name": "n", "work": {"kind": "command", "argv": ["true"]}}),
+            ),
         ),
         ("step report", plain::<StepReport>, bytes(started)),
         ("exec ref", plain::<ExecRef>, bytes(json!({"id": step}))),
@@ -228,7 +252,11 @@ fn targets() -> Vec<(&'static str, Decoder, Vec<u8>)> {
             plain::<SendTurn>,
             bytes(json!({"session": session, "text": "hi"})),
         ),
-        ("session ref", plain::<SessionRef>, bytes(json!({"session": session}))),
+        (
+            "session ref",
+            plain::<SessionRef>,
+            bytes(json!({"session": session})),
+        ),
         (
             "run start",
             plain::<StartRun>,
@@ -238,8 +266,10 @@ fn targets() -> Vec<(&'static str, Decoder, Vec<u8>)> {
         (
             "schedule",
             plain::<ScheduleSpec>,
-            bytes(json!({"name": "n", "cron": "* * * * *", "tz": "UTC", "session": session,
-                "messages": ["a"]})),
+            bytes(
+                json!({"name": "n", "cron": "* * * * *", "tz": "UTC", "session": session,
+                "messages": ["a"]}),
+            ),
         ),
         ("execution record", plain::<ExecutionRecord>, bytes(record)),
         (
@@ -251,14 +281,18 @@ fn targets() -> Vec<(&'static str, Decoder, Vec<u8>)> {
         (
             "session record",
             plain::<SessionRecord>,
-            bytes(json!({"id": session, "name": "n", "agent": "mock", "host": "h1",
-                "token": "t", "created_at": "2026-12-04T00:00:00Z", "state": "active"})),
+            bytes(
+                json!({"id": session, "name": "n", "agent": "mock", "host": "h1",
+                "token": "t", "created_at": "2026-12-04T00:00:00Z", "state": "active"}),
+            ),
         ),
         (
             "run record",
             plain::<RunRecord>,
-            bytes(json!({"id": "run_x", "session": session, "created_at": "2026-12-04T00:00:00Z",
-                "messages": ["a"], "status": "queued"})),
+            bytes(
+                json!({"id": "run_x", "session": session, "created_at": "2026-12-04T00:00:00Z",
+                "messages": ["a"], "status": "queued"}),
+            ),
         ),
         (
             "slot record",
@@ -269,9 +303,11 @@ fn targets() -> Vec<(&'static str, Decoder, Vec<u8>)> {
         (
             "schedule record",
             plain::<ScheduleRecord>,
-            bytes(json!({"name": "n", "cron": "* * * * *", "tz": "UTC", "session": session,
+            bytes(
+                json!({"name": "n", "cron": "* * * * *", "tz": "UTC", "session": session,
                 "messages": ["a"], "created_at": "2026-12-04T00:00:00Z",
-                "cursor": "2026-12-04T00:00:00Z"})),
+                "cursor": "2026-12-04T00:00:00Z"}),
+            ),
         ),
     ]
 }
@@ -310,5 +346,8 @@ fn every_decoder_refuses_mutated_input_with_a_reason_and_never_panics() {
         .unwrap_or(2_000);
     let refused = fuzz(seed, rounds);
     // The mutations reach the decoders' refusals, not only inputs they accept.
-    assert!(refused > rounds, "only {refused} of the mutated inputs were refused");
+    assert!(
+        refused > rounds,
+        "only {refused} of the mutated inputs were refused"
+    );
 }

@@ -27,6 +27,8 @@ pub struct Injected {
     pub target: String,
     /// Seconds from the campaign's start.
     pub at_s: f64,
+    /// How long it was held (0 for a kill that is not undone).
+    pub hold_s: f64,
     /// From the fault's lifting to the probe turn's completion; `None`: the probe did not
     /// complete within its bound, or could not be sent.
     pub recovery_ms: Option<u64>,
@@ -56,13 +58,14 @@ impl Injector {
         sessions: &Sessions,
         hosts: &[(String, SessionId)],
         seed: u64,
+        started: Instant,
     ) -> Self {
         Self {
             stack,
             js: async_nats::jetstream::new(client.clone()),
             client,
             probes: sessions.probes.clone(),
-            started: Instant::now(),
+            started,
             rng: std::sync::Mutex::new(Rng::new(seed.rotate_left(29) ^ 0xFA17)),
             agents: hosts.to_vec(),
         }
@@ -75,6 +78,7 @@ impl Injector {
             kind: fault.kind.name(),
             target: fault.target.clone(),
             at_s,
+            hold_s: fault.hold.as_secs_f64(),
             recovery_ms: None,
             skipped: None,
         };

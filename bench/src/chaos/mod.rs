@@ -7,13 +7,15 @@
 //! replays the same plan) and the figures last, as JSON; exits non-zero on any violation.
 //!
 //! `turnstile-bench chaos [--seed N] [--minutes M] [--every SECS] [--replicas 3]
-//! [--out FILE] [--plan]` (`--plan`: print the plan and stop).
+//! [--out FILE] [--png FILE] [--plan]` (`--png`: the timeline of faults against progress;
+//! `--plan`: print the plan and stop).
 
 pub mod check;
 mod history;
 mod inject;
 mod plan;
 mod stack;
+mod timeline;
 mod workload;
 
 use std::collections::BTreeMap;
@@ -42,6 +44,7 @@ struct Args {
     every: Duration,
     replicas: usize,
     out: Option<std::path::PathBuf>,
+    png: Option<std::path::PathBuf>,
     plan_only: bool,
 }
 
@@ -55,6 +58,7 @@ fn parse(args: &[String]) -> Result<Args> {
         every: Duration::from_secs(6),
         replicas: 1,
         out: None,
+        png: None,
         plan_only: false,
     };
     let mut it = args.iter();
@@ -77,6 +81,7 @@ fn parse(args: &[String]) -> Result<Args> {
                 }
             }
             "--out" => out.out = Some(value()?.into()),
+            "--png" => out.png = Some(value()?.into()),
             "--plan" => out.plan_only = true,
             other => bail!("chaos: unknown argument {other:?}"),
         }
@@ -117,10 +122,7 @@ pub async fn run(args: &[String]) -> Result<()> {
         return Ok(());
     }
     let stack = ChaosStack::start(args.replicas).await?;
-    let client = async_nats::ConnectOptions::new()
-        .retry_on_initial_connect()
-        .connect(stack.url())
-        .await?;
+    let client = stack.connect().await?;
     let js = async_nats::jetstream::new(client.clone());
     let trace = stack.step_log();
     let (mock_dir, log_dir) = (stack.mock_dir(), stack.log_dir().to_path_buf());
@@ -128,15 +130,17 @@ pub async fn run(args: &[String]) -> Result<()> {
     let crons = workload::schedules(&client, &sessions.scheduled, &trace).await?;
     let stack = Arc::new(Mutex::new(stack));
     let agents = agents_of(&client, &sessions).await?;
+    let counts = workload::Counts::default();
+    let started = Instant::now();
+    let started_at = chrono::Utc::now();
     let injector = Arc::new(Injector::new(
         stack.clone(),
         client.clone(),
         &sessions,
         &agents,
         args.seed,
+        started,
     ));
-    let counts = workload::Counts::default();
-    let started = Instant::now();
     let faults = {
         let injector = injector.clone();
         let plan = plan.clone();
@@ -182,6 +186,9 @@ pub async fn run(args: &[String]) -> Result<()> {
     let liveness = quiet(&client, &js, &mock_dir, &trace, &crons).await;
     let liveness_s = quiet_from.elapsed().as_secs_f64();
     let history = History::load(&js, &mock_dir, &trace, crons).await?;
+    if let Some(png) = &args.png {
+        timeline::draw(png, started_at, &history, &injected)?;
+    }
     let mut violations = check::check(&history);
     if let Err(e) = &liveness {
         eprintln!("chaos: not quiet within {LIVENESS_BOUND:?}: {e:#}");

@@ -93,7 +93,20 @@ impl ChaosStack {
         Ok(stack)
     }
 
-    /// Every node's URL, for clients that fail over between them.
+    /// A client of the campaign's own, on every node (it fails over between them).
+    pub async fn connect(&self) -> Result<async_nats::Client> {
+        let addrs = self
+            .nats
+            .iter()
+            .map(|n| n.url().parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect(addrs)
+            .await?)
+    }
+
+    /// Every node's URL, comma-separated (as the services read `TURNSTILE_NATS_URL`).
     pub fn url(&self) -> String {
         self.nats
             .iter()
@@ -116,11 +129,7 @@ impl ChaosStack {
     }
 
     async fn provision(&self, replicas: usize) -> Result<()> {
-        let client = async_nats::ConnectOptions::new()
-            .retry_on_initial_connect()
-            .connect(self.url())
-            .await?;
-        let js = async_nats::jetstream::new(client);
+        let js = async_nats::jetstream::new(self.connect().await?);
         let topology = turnstile_shared::topology::TopologyConfig {
             lane_ack_wait: Duration::from_secs(2),
             lane_pin_ttl: Duration::from_secs(2),

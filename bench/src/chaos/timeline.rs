@@ -1,0 +1,143 @@
+//! The campaign's timeline as a PNG (`--png FILE`): above, the work done (turns completed and
+//! steps ended, cumulative) against time; below, each fault as a bar from its injection for
+//! as long as it was held, one row per kind. A stall shows as a flat stretch above a bar.
+
+use std::path::Path;
+
+use anyhow::{anyhow, Result};
+use chrono::{DateTime, Utc};
+use plotters::prelude::*;
+use turnstile_shared::records::TurnState;
+
+use super::history::History;
+use super::inject::Injected;
+use super::plan::FaultKind;
+
+const KINDS: [FaultKind; 7] = [
+    FaultKind::KillService,
+    FaultKind::PauseService,
+    FaultKind::HostGone,
+    FaultKind::KillAgent,
+    FaultKind::KillTmux,
+    FaultKind::KillNats,
+    FaultKind::PauseNats,
+];
+
+pub fn draw(
+    path: &Path,
+    started: DateTime<Utc>,
+    history: &History,
+    faults: &[Injected],
+) -> Result<()> {
+    let labels = crate::plot::register_font();
+    let since = |t: DateTime<Utc>| (t - started).num_milliseconds() as f64 / 1000.0;
+    let mut turns: Vec<f64> = history
+        .turns
+        .values()
+        .filter_map(|t| match &t.state {
+            TurnState::Completed { ended_at, .. } => Some(since(*ended_at)),
+            _ => None,
+        })
+        .collect();
+    let mut steps: Vec<f64> = history
+        .executions
+        .values()
+        .filter_map(|e| e.status.ended_at().map(since))
+        .collect();
+    turns.sort_by(f64::total_cmp);
+    steps.sort_by(f64::total_cmp);
+    let end = turns
+        .last()
+        .copied()
+        .into_iter()
+        .chain(steps.last().copied())
+        .chain(faults.iter().map(|f| f.at_s + f.hold_s))
+        .fold(1.0f64, f64::max);
+    let cumulative = |xs: &[f64]| -> Vec<(f64, f64)> {
+        xs.iter()
+            .enumerate()
+            .map(|(i, x)| (x.max(0.0), (i + 1) as f64))
+            .collect()
+    };
+    let root = BitMapBackend::new(path, (1400, 800)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let (top, bottom) = root.split_vertically(480);
+    let peak = (turns.len().max(steps.len()) as f64 * 1.1).max(1.0);
+    let mut chart = ChartBuilder::on(&top)
+        .margin(15)
+        .x_label_area_size(30)
+        .y_label_area_size(60)
+        .caption(
+            if labels { "work done (cumulative)" } else { "" },
+            ("sans-serif", 20),
+        )
+        .build_cartesian_2d(0.0..end, 0.0..peak)
+        .map_err(|e| anyhow!("{e}"))?;
+    let mut mesh = chart.configure_mesh();
+    if !labels {
+        mesh.x_labels(0).y_labels(0);
+    }
+    mesh.draw().map_err(|e| anyhow!("{e}"))?;
+    for (i, (name, points)) in [
+        ("turns completed", cumulative(&turns)),
+        ("steps ended", cumulative(&steps)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let color = Palette99::pick(i).to_rgba();
+        let drawn = chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?;
+        if labels {
+            drawn
+                .label(name)
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
+        }
+    }
+    if labels {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 14))
+            .draw()
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    let rows = KINDS.len() as f64;
+    let mut faults_chart = ChartBuilder::on(&bottom)
+        .margin(15)
+        .x_label_area_size(30)
+        .y_label_area_size(120)
+        .build_cartesian_2d(0.0..end, 0.0..rows)
+        .map_err(|e| anyhow!("{e}"))?;
+    let mut mesh = faults_chart.configure_mesh();
+    mesh.y_labels(KINDS.len())
+        .y_label_formatter(&|y| {
+            KINDS
+                .get(*y as usize)
+                .map_or(String::new(), |k| k.name().to_string())
+        })
+        .x_desc("seconds");
+    if !labels {
+        mesh.x_labels(0).y_labels(0);
+    }
+    mesh.draw().map_err(|e| anyhow!("{e}"))?;
+    for f in faults.iter().filter(|f| f.skipped.is_none()) {
+        let Some(row) = KINDS.iter().position(|k| k.name() == f.kind) else {
+            continue;
+        };
+        let y = row as f64 + 0.2;
+        let color = Palette99::pick(row + 2).to_rgba();
+        let width = f.hold_s.max(end / 400.0);
+        faults_chart
+            .draw_series(std::iter::once(Rectangle::new(
+                [(f.at_s, y), (f.at_s + width, y + 0.6)],
+                color.filled(),
+            )))
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    root.present()
+        .map_err(|e| anyhow!("write {}: {e}", path.display()))?;
+    Ok(())
+}
