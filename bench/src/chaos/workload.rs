@@ -72,7 +72,20 @@ pub async fn create(client: &async_nats::Client, hosts: &[&str]) -> Result<Sessi
             ready_timeout_ms: None,
             policy: None,
         };
-        let rec: SessionRecord = call(client, subj::SESSION_CREATE, &req).await?;
+        // At the start a host may not heartbeat yet: its create is retried (bounded).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let rec: SessionRecord = loop {
+            match api::call::<_, SessionRecord>(client, subj::SESSION_CREATE, &req, CALL).await {
+                Ok(r) => break r,
+                Err(e)
+                    if (e.code == api::ErrorCode::NoHost || e.code.is_transient())
+                        && tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                Err(e) => anyhow::bail!("create session on {host}: {e}"),
+            }
+        };
         made.push((host.to_string(), rec.id));
     }
     let mut ids = made.into_iter();
