@@ -14,14 +14,14 @@ use turnstile_shared::schedules::SlotRecord;
 use turnstile_shared::{subjects, ExecutionId, RunId, SessionId, StepId, TurnId};
 
 /// A schedule as the checker needs it: its name and cron.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct ScheduleCron {
     pub name: String,
     pub cron: String,
     pub zone: String,
 }
 
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct History {
     pub sessions: HashMap<SessionId, SessionRecord>,
     pub turns: HashMap<TurnId, TurnRecord>,

@@ -219,6 +219,12 @@ pub async fn run(args: &[String]) -> Result<()> {
     violations.truncate(0);
     let n = figures["violations"].as_u64().unwrap_or(0);
     if n > 0 || liveness.is_err() || !over.is_empty() {
+        // What the checker read, and what the completion stream still holds, beside the logs.
+        let dump = log_dir.join("history.json");
+        if let Err(e) = std::fs::write(&dump, serde_json::to_vec_pretty(&history)?) {
+            eprintln!("chaos: write {}: {e}", dump.display());
+        }
+        completions_dump(&js, &log_dir.join("completions.jsonl")).await;
         stack.lock().await.keep();
         bail!(
             "chaos: seed {}: {n} violation(s), liveness {}, memory over bound {over:?}; logs in {}",
@@ -232,6 +238,38 @@ pub async fn run(args: &[String]) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Every message still on the completion stream, one JSON line each (subject, sequence,
+/// payload), for a failed campaign's post-mortem.
+async fn completions_dump(js: &async_nats::jetstream::Context, path: &std::path::Path) {
+    use async_nats::jetstream::stream::DirectGetErrorKind;
+    let Ok(stream) = js
+        .get_stream_no_info(turnstile_shared::subjects::COMPLETION_STREAM)
+        .await
+    else {
+        return;
+    };
+    let mut out = String::new();
+    let mut seq = 0;
+    loop {
+        match stream
+            .direct_get_next_for_subject(turnstile_shared::subjects::COMPLETION_ALL, Some(seq + 1))
+            .await
+        {
+            Ok(m) => {
+                seq = m.sequence;
+                out.push_str(&format!(
+                    "{}\n",
+                    json!({"subject": m.subject.as_str(), "seq": m.sequence,
+                        "payload": String::from_utf8_lossy(&m.payload)})
+                ));
+            }
+            Err(e) if e.kind() == DirectGetErrorKind::NotFound => break,
+            Err(_) => break,
+        }
+    }
+    let _ = std::fs::write(path, out);
 }
 
 /// The sessions whose agents a fault may kill, with their hosts.

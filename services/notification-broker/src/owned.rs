@@ -88,7 +88,7 @@ pub(crate) enum StopError {
 /// Cancels every live execution a stopped session's notes name (`session_stopped`), then
 /// removes its notes. Returns what it cancelled. A start racing the stop either wrote its note
 /// before this read it, or reads the session stopped after writing its record and cancels
-/// itself (`cancel_if_orphaned`).
+/// itself (`cancel_if_abandoned`).
 pub(crate) async fn cancel_stopped(
     ctx: &Ctx,
     session: &SessionId,

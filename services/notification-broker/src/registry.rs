@@ -221,7 +221,7 @@ pub(crate) async fn orphaned_by(
             ExecKind::Step if first && matches!(node.status, ExecStatus::Cancelled { .. }) => {
                 return Ok(Some(exec_reason::PARENT_CANCELLED));
             }
-            // The turn's walk looks through `run`-scoped steps for `turn`-scoped work; a
+            // The turn's walk looks through `session`-scoped steps for `turn`-scoped work; a
             // `turn`-scoped step between is cancelled by it and cancels what it owns (checked
             // above when it is the parent); a `detached` one is not reached.
             ExecKind::Step if step.scope == Scope::Turn && node.scope == Scope::Session => {}
@@ -291,7 +291,7 @@ pub(crate) async fn send_end(
 pub(crate) enum Reach {
     /// Everything owned: children of any scope but `detached`.
     Owned,
-    /// Only `turn`-scoped work (looking through `run`-scoped nodes): a turn that ended.
+    /// Only `turn`-scoped work (looking through `session`-scoped nodes): a turn that ended.
     TurnScoped,
 }
 

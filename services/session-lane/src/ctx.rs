@@ -63,6 +63,8 @@ pub(crate) struct Ctx {
     pub left_pending: std::sync::Mutex<std::collections::HashSet<turnstile_shared::SessionId>>,
     /// Executions whose completions this replica's lanes collected lately (`handoff`).
     pub collected: crate::handoff::Collected,
+    /// Completions this replica's lanes handed over lately (`handoff`).
+    pub handed_over: crate::handoff::HandedOver,
     /// Completions pushed to this replica by the pulls its busy lanes keep out (`handoff`).
     pub standbys: crate::handoff::Standbys,
     /// The executions' recent ends, from this replica's watch of the registry.

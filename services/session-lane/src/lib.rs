@@ -146,6 +146,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         completions: Default::default(),
         left_pending: Default::default(),
         collected: Default::default(),
+        handed_over: Default::default(),
         standbys: handoff::Standbys::new(config.topology.lane_ack_wait),
         ended,
         placement: Default::default(),

@@ -143,3 +143,70 @@ async fn cancelled_at_the_boundary(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// R3, R14: a copy of a completion that a completed turn carried, handed out again, is never
+/// typed a second time. The campaign (seed 1, 10 min) found the same completion message (one
+/// stream sequence) carried by two completed turns a few milliseconds apart, four times: a
+/// completion held past its ack wait without progress (a run waiting for its children, while
+/// its host was stopped) was handed out again to the lane's standby pull, the turn carrying
+/// the first copy completed, and the next turn took the standby's copy. Here the copy is
+/// stored as another message of the same completion after its hand-over, which the lane must
+/// tell apart just the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_that_comes_back_after_its_hand_over_is_not_typed_again() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = comes_back(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn comes_back(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::delivery::Completion;
+    use turnstile_shared::subjects;
+    let s = stack.create_session("comes-back", None).await?;
+    stack.turn_with_a_step_handed_back(&s).await?;
+    let first = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(30)).await?;
+    let build = first[0]
+        .delivery
+        .as_ref()
+        .and_then(|d| d.completions.first())
+        .map(|c| c.execution.clone())
+        .context("the first delivery's completion")?;
+    let rec = stack
+        .exec(&build)
+        .await?
+        .context("the build step's record")?;
+    // The copy: the same completion, another message (as a second delivery of it would be).
+    let copy = Completion::of(&rec)
+        .envelope(&s)?
+        .with_id(format!("{build}:copy"));
+    let broker = stack.js_as("notification-broker").await?;
+    broker
+        .publish(subjects::completion(&s, &build), copy.encode()?)
+        .await?
+        .await?;
+    let t = stack.send(&s, "!step second 200ms\n!sleep 1s").await?;
+    stack.all_complete(std::slice::from_ref(&t)).await?;
+    let deliveries = crate::stack::wait_deliveries(stack, &s, 2, Duration::from_secs(30)).await?;
+    let carried: Vec<_> = deliveries
+        .iter()
+        .filter(|d| d.state.is_terminal())
+        .flat_map(|d| d.delivery.iter().flat_map(|c| c.completions.iter()))
+        .filter(|c| c.execution == build)
+        .collect();
+    ensure!(
+        carried.len() == 1,
+        "the build step's completion was carried {} times: {deliveries:?}",
+        carried.len()
+    );
+    let typed = stack
+        .transcript(&s)
+        .await?
+        .iter()
+        .filter(|m| m.contains(build.as_str()))
+        .count();
+    ensure!(
+        typed == 1,
+        "the agent was told of the build step {typed} times"
+    );
+    Ok(())
+}

@@ -75,9 +75,9 @@ async fn started_at_the_end(stack: &mut Stack) -> Result<()> {
 
 /// R7 at the edge, for a step's children: children started by a step as it is cancelled are
 /// refused `parent_ended` or cancelled `parent_cancelled`, never left queued under it; and
-/// `turn`-scoped children of a `run`-scoped step, started before and after the turn that
+/// `turn`-scoped children of a `session`-scoped step, started before and after the turn that
 /// started that step ends, are cancelled `turn_ended` (at birth, for those after), while the
-/// `run`-scoped step itself lives on.
+/// `session`-scoped step itself lives on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn steps_started_as_their_parent_step_ends_never_outlive_it() -> Result<()> {
     let stack = Stack::start(&["a"], &["h1"]).await?;
@@ -146,7 +146,7 @@ async fn started_under_an_ending_step(stack: &Stack) -> Result<()> {
     let caller = stack.caller(&s).await?;
     let mut accepted = Vec::new();
     // Forty parents: a child indexed just before its parent's cancel walks the children but
-    // recorded only after the walk read it is cancelled by its own start (`cancel_if_orphaned`);
+    // recorded only after the walk read it is cancelled by its own start (`cancel_if_abandoned`);
     // that window is narrow (taken in 1 of 3 runs here); the rest is checked every run.
     for round in 0..40 {
         let pid = StepId::new();
@@ -258,7 +258,7 @@ async fn started_under_run_work_after_its_turn(stack: &Stack) -> Result<()> {
 const LATE_CANCELLED: &str = "cancelled a step recorded after the walk passed its entry";
 
 /// R7 when a start is cut off half-way: a broker replica that dies between a step's record and
-/// its own check of the parent (`cancel_if_orphaned`) leaves a queued step under a turn whose
+/// its own check of the parent (`cancel_if_abandoned`) leaves a queued step under a turn whose
 /// end's walk met its index entry before the record existed. The walk looks at such entries
 /// again a moment later: the step ends cancelled `turn_ended`. The dead start's two writes are
 /// made here with the broker's identity, in its order: the index entry while the turn runs,

@@ -7,34 +7,56 @@
 //! replica, the wait is bounded (`arming::FIRST_WAIT`).
 
 use std::collections::{HashSet, VecDeque};
+use std::hash::Hash;
 use std::sync::Mutex;
 
-use turnstile_shared::ExecutionId;
+use turnstile_shared::{ExecutionId, SessionId};
 
-/// How many collected executions are remembered, the oldest forgotten first. A delivery
-/// carries at most 100; the next item of its session runs right after it.
+/// How many entries are remembered, the oldest forgotten first. A delivery carries at most
+/// 100; the next item of its session runs right after it.
 const REMEMBERED: usize = 4096;
 
-#[derive(Default)]
-pub(crate) struct Collected {
-    inner: Mutex<Inner>,
+/// A bounded memory of recent keys, the oldest forgotten first.
+pub(crate) struct Recent<K> {
+    inner: Mutex<Inner<K>>,
 }
 
-#[derive(Default)]
-struct Inner {
-    order: VecDeque<ExecutionId>,
-    set: HashSet<ExecutionId>,
+struct Inner<K> {
+    order: VecDeque<K>,
+    set: HashSet<K>,
 }
 
-impl Collected {
-    /// Remembers executions whose completions a lane just collected.
-    pub(crate) fn note<'a>(&self, executions: impl IntoIterator<Item = &'a ExecutionId>) {
+impl<K> Default for Recent<K> {
+    fn default() -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                order: VecDeque::new(),
+                set: HashSet::new(),
+            }),
+        }
+    }
+}
+
+/// Executions whose completions this replica's lanes collected lately.
+pub(crate) type Collected = Recent<ExecutionId>;
+
+/// Completions this replica's lanes handed over lately (a completed turn carried them), by
+/// session: a copy of one that comes back (a standby held it, or the server handed it out
+/// again before its ack or removal landed) is never carried a second time (R3, R14).
+pub(crate) type HandedOver = Recent<(SessionId, ExecutionId)>;
+
+impl<K: Eq + Hash + Clone> Recent<K> {
+    /// Remembers `keys`.
+    pub(crate) fn note<'a>(&self, keys: impl IntoIterator<Item = &'a K>)
+    where
+        K: 'a,
+    {
         let Ok(mut inner) = self.inner.lock() else {
             return;
         };
-        for e in executions {
-            if inner.set.insert(e.clone()) {
-                inner.order.push_back(e.clone());
+        for k in keys {
+            if inner.set.insert(k.clone()) {
+                inner.order.push_back(k.clone());
             }
         }
         while inner.order.len() > REMEMBERED {
@@ -44,11 +66,9 @@ impl Collected {
         }
     }
 
-    /// Whether a lane of this replica collected `execution`'s completion lately.
-    pub(crate) fn knows(&self, execution: &ExecutionId) -> bool {
-        self.inner
-            .lock()
-            .is_ok_and(|inner| inner.set.contains(execution))
+    /// Whether `key` was noted lately.
+    pub(crate) fn knows(&self, key: &K) -> bool {
+        self.inner.lock().is_ok_and(|inner| inner.set.contains(key))
     }
 }
 

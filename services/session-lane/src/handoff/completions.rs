@@ -287,6 +287,16 @@ async fn take_in(
         .unwrap_or_default();
     ctx.standbys.seen(session, delivered);
     match decode(session, &msg) {
+        Ok(completion)
+            if ctx
+                .handed_over
+                .knows(&(session.clone(), completion.execution.clone())) =>
+        {
+            // A copy of a completion a completed turn carried: its ack or removal had not
+            // landed when this copy was handed out (or a standby held it). Never typed again.
+            tracing::info!(%session, execution = %completion.execution, "a completion handed over already came back; dropped");
+            let _ = msg.ack_with(AckKind::Term).await;
+        }
         Ok(completion) => {
             fetched.retain(|f| f.seq != seq);
             fetched.push(Fetched {
@@ -510,6 +520,13 @@ pub(crate) async fn settle(
         let _ = h.ack_with(AckKind::Nak(None)).await;
     }
     if completed {
+        ctx.handed_over.note(
+            &carried
+                .completions
+                .iter()
+                .map(|c| (session.id.clone(), c.execution.clone()))
+                .collect::<Vec<_>>(),
+        );
         // Acked through the messages held; by sequence for what is not held (a delivery
         // resumed after a crash, or a failed ack). Removal is idempotent.
         let mut all = held.len() == carried.completions.len();

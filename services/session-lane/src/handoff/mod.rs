@@ -20,7 +20,7 @@ mod reconnect;
 mod standby;
 mod turn;
 
-pub(crate) use collected::Collected;
+pub(crate) use collected::{Collected, HandedOver};
 pub(crate) use completions::{
     collect, collect_expecting, disarm_and_recheck, keep_standby, settle, DeliveryError, Expected,
 };

@@ -127,6 +127,12 @@ impl Driver<'_> {
                 return Ok((carried, held));
             }
             pauses.wait().await;
+            // What this wait holds already stays this run's while it waits for the rest (the
+            // wait may outlast the completions' ack wait; a copy handed out again meanwhile
+            // is refused by `handoff` all the same).
+            for h in &held {
+                let _ = h.ack_with(AckKind::Progress).await;
+            }
         }
     }
 }
