@@ -108,21 +108,27 @@ pub fn draw(
     let mut faults_chart = ChartBuilder::on(&bottom)
         .margin(15)
         .x_label_area_size(30)
-        .y_label_area_size(120)
+        .y_label_area_size(60)
         .build_cartesian_2d(0.0..end, 0.0..rows)
         .map_err(|e| anyhow!("{e}"))?;
     let mut mesh = faults_chart.configure_mesh();
-    mesh.y_labels(KINDS.len())
-        .y_label_formatter(&|y| {
-            KINDS
-                .get(*y as usize)
-                .map_or(String::new(), |k| k.name().to_string())
-        })
-        .x_desc("seconds");
+    mesh.y_labels(0).x_desc("seconds");
     if !labels {
-        mesh.x_labels(0).y_labels(0);
+        mesh.x_labels(0);
     }
     mesh.draw().map_err(|e| anyhow!("{e}"))?;
+    if labels {
+        // Each row's kind, written at the row's left end (axis labels fall between rows).
+        for (row, kind) in KINDS.iter().enumerate() {
+            faults_chart
+                .draw_series(std::iter::once(Text::new(
+                    kind.name().to_string(),
+                    (end * 0.002, row as f64 + 0.95),
+                    ("sans-serif", 13),
+                )))
+                .map_err(|e| anyhow!("{e}"))?;
+        }
+    }
     for f in faults.iter().filter(|f| f.skipped.is_none()) {
         let Some(row) = KINDS.iter().position(|k| k.name() == f.kind) else {
             continue;
@@ -140,4 +146,46 @@ pub fn draw(
     root.present()
         .map_err(|e| anyhow!("write {}: {e}", path.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timeline_is_drawn_from_a_history_and_its_faults() {
+        let started = Utc::now();
+        let mut history = History::default();
+        let turn = turnstile_shared::TurnId::new();
+        history.turns.insert(
+            turn.clone(),
+            turnstile_shared::records::TurnRecord {
+                id: turn,
+                session: turnstile_shared::SessionId::new(),
+                text: "t".into(),
+                queued_at: started,
+                delivery: None,
+                parent: None,
+                state: TurnState::Completed {
+                    host: "h1".parse().expect("host"),
+                    typed_at: started,
+                    ended_at: started + chrono::Duration::seconds(3),
+                    output: vec![],
+                },
+            },
+        );
+        let faults = vec![Injected {
+            kind: FaultKind::PauseService.name(),
+            target: "lane-a".into(),
+            at_s: 1.0,
+            hold_s: 2.5,
+            recovery_ms: Some(120),
+            skipped: None,
+        }];
+        let dir = tempfile::tempdir().expect("dir");
+        let png = dir.path().join("timeline.png");
+        draw(&png, started, &history, &faults).expect("draw");
+        let bytes = std::fs::read(&png).expect("png");
+        assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
+    }
 }
