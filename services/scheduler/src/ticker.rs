@@ -247,13 +247,15 @@ async fn claim(
                         reason: reason.to_string(),
                         yielded_to,
                     };
-                    record(ctx, &name, *slot, outcome).await?;
+                    let standing = record(ctx, &name, *slot, outcome).await?;
+                    start_if_fired(standing, &mut after, &mut actions);
                 }
                 Decision::Miss { reason } => {
                     let outcome = SlotOutcome::Missed {
                         reason: reason.to_string(),
                     };
-                    record(ctx, &name, *slot, outcome).await?;
+                    let standing = record(ctx, &name, *slot, outcome).await?;
+                    start_if_fired(standing, &mut after, &mut actions);
                 }
             }
             after.cursor = after.cursor.max(*slot);
@@ -265,6 +267,17 @@ async fn claim(
         after,
         actions,
     })
+}
+
+/// A slot an earlier pass claimed as fired keeps that record (R11), whatever this pass would
+/// decide for it now (a catch-up that only fires the latest slot, a skip): its run is started
+/// again (idempotent by run id), since that pass may have failed before its start landed (R12:
+/// a slot recorded fired has its run).
+fn start_if_fired(standing: SlotRecord, after: &mut ScheduleRecord, actions: &mut Vec<Action>) {
+    if let SlotOutcome::Fired { run, .. } = standing.outcome {
+        after.last_run = Some(run.clone());
+        actions.push(Action::Start(run));
+    }
 }
 
 /// The second round: cancels and starts the plan's runs (idempotent by run id), then writes

@@ -210,3 +210,69 @@ async fn comes_back(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// R11, R12: a slot claimed as fired whose run's start never landed (the session-lane replica
+/// taking the request froze, then died) has its run started by the scheduler's next pass, even
+/// when that pass decides the slot otherwise now (a catch-up that fires only the latest slot).
+/// The campaign left such a run `queued` for ever, with no lane item (seed 1, 10 min, a
+/// `buffer_one` schedule): its replica had written the record and was fenced before queuing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fired_slot_whose_start_was_lost_still_gets_its_run() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = lost_start(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn lost_start(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::runs::RunState;
+    use turnstile_shared::schedules::SlotOutcome;
+    use turnstile_shared::subjects;
+    let name = "lost-start";
+    let s = stack.create_session("lost-start", None).await?;
+    // Every slot fires (a run still going does not make the next one skip).
+    let spec = turnstile_shared::schedules::ScheduleSpec {
+        overlap: turnstile_shared::schedules::Overlap::AllowAll,
+        ..crate::stack::schedule(name, "* * * * * *", &s, &["tick"])
+    };
+    stack.add_schedule(&spec).await?;
+    stack.wait_slots(name, 1, Duration::from_secs(30)).await?;
+    // The only replica freezes: the next slot's start request goes to it and is never answered.
+    let frozen_at = chrono::Utc::now();
+    stack.freeze_lane("a")?;
+    let runs = stack.js.get_key_value(subjects::RUNS_BUCKET).await?;
+    let shared: &Stack = stack;
+    let lost = wait_until(
+        "a slot fired while the replica is frozen",
+        Duration::from_secs(20),
+        || {
+            let runs = runs.clone();
+            async move {
+                let stack = shared;
+                for slot in stack.slots(name).await? {
+                    if let SlotOutcome::Fired { run, fired_at, .. } = slot.outcome {
+                        if fired_at > frozen_at && runs.get(run.as_str()).await?.is_none() {
+                            return Ok(Some(run));
+                        }
+                    }
+                }
+                Ok(None)
+            }
+        },
+    )
+    .await?;
+    // It dies frozen; another replica serves the session from now on.
+    stack
+        .lanes
+        .get_mut("a")
+        .context("replica a")?
+        .kill()
+        .await?;
+    stack.spawn_lane("b")?;
+    let done = stack.wait_run(&lost, Duration::from_secs(60)).await?;
+    ensure!(
+        matches!(done.state, RunState::Completed { .. }),
+        "the lost start's run ended {:?}",
+        done.state
+    );
+    Ok(())
+}
