@@ -39,7 +39,7 @@ pub fn draw(path: &Path, samples: &[Sample], window: Duration) -> Result<()> {
         "resident memory (MB)",
         &mut series,
         end,
-        window,
+        Some(window),
         labels,
     )?;
     let mut store = vec![(
@@ -49,18 +49,20 @@ pub fn draw(path: &Path, samples: &[Sample], window: Duration) -> Result<()> {
             .map(|s| (s.at_s, s.store_bytes as f64 / 1e6))
             .collect(),
     )];
-    panel(&bottom, "store (MB)", &mut store, end, window, labels)?;
+    panel(&bottom, "store (MB)", &mut store, end, Some(window), labels)?;
     root.present()
         .map_err(|e| anyhow!("write {}: {e}", path.display()))?;
     Ok(())
 }
 
-fn panel(
+/// One chart of line series against seconds, with a legend; `window`, when given and within
+/// the chart, is marked by a vertical line. Shared with the chaos campaign's timeline.
+pub(crate) fn panel(
     area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
     title: &str,
     series: &mut [(String, Vec<(f64, f64)>)],
     end: f64,
-    window: Duration,
+    window: Option<Duration>,
     labels: bool,
 ) -> Result<()> {
     let top = series
@@ -86,8 +88,7 @@ fn panel(
         mesh.x_labels(0).y_labels(0);
     }
     mesh.draw().map_err(|e| anyhow!("{e}"))?;
-    let window = window.as_secs_f64();
-    if window < end {
+    if let Some(window) = window.map(|w| w.as_secs_f64()).filter(|w| *w < end) {
         chart
             .draw_series(LineSeries::new(
                 [(window, 0.0), (window, top)],

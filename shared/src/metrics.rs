@@ -229,6 +229,18 @@ impl Metrics {
         let _ = self.session_state.get_or_create(&StateLabel { map });
     }
 
+    /// [`Metrics::probe`] of a map that `owner` holds, read through a weak reference: the probe
+    /// is dropped once the owner is.
+    pub fn probe_of<T: Send + Sync + 'static>(
+        &self,
+        map: &'static str,
+        owner: &std::sync::Arc<T>,
+        size: fn(&T) -> usize,
+    ) {
+        let owner = std::sync::Arc::downgrade(owner);
+        self.probe(map, move || owner.upgrade().map(|o| size(&o)));
+    }
+
     fn read_probes(&self) {
         let Ok(mut probes) = self.probes.lock() else {
             return;
@@ -313,9 +325,8 @@ mod tests {
             Some(read.load(std::sync::atomic::Ordering::Relaxed))
         });
         m.probe("specs", || Some(2));
-        let owner = std::sync::Arc::new(());
-        let weak = std::sync::Arc::downgrade(&owner);
-        m.probe("gone", move || weak.upgrade().map(|_| 7));
+        let owner = std::sync::Arc::new(7usize);
+        m.probe_of("gone", &owner, |n| *n);
         let line = |text: &str, map: &str| {
             let prefix = format!("turnstile_session_state_entries{{map=\"{map}\"}} ");
             text.lines()

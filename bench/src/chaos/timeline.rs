@@ -62,48 +62,11 @@ pub fn draw(
     let root = BitMapBackend::new(path, (1400, 800)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
     let (top, bottom) = root.split_vertically(480);
-    let peak = (turns.len().max(steps.len()) as f64 * 1.1).max(1.0);
-    let mut chart = ChartBuilder::on(&top)
-        .margin(15)
-        .x_label_area_size(30)
-        .y_label_area_size(60)
-        .caption(
-            if labels { "work done (cumulative)" } else { "" },
-            ("sans-serif", 20),
-        )
-        .build_cartesian_2d(0.0..end, 0.0..peak)
-        .map_err(|e| anyhow!("{e}"))?;
-    let mut mesh = chart.configure_mesh();
-    if !labels {
-        mesh.x_labels(0).y_labels(0);
-    }
-    mesh.draw().map_err(|e| anyhow!("{e}"))?;
-    for (i, (name, points)) in [
-        ("turns completed", cumulative(&turns)),
-        ("steps ended", cumulative(&steps)),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let color = Palette99::pick(i).to_rgba();
-        let drawn = chart
-            .draw_series(LineSeries::new(points, color.stroke_width(2)))
-            .map_err(|e| anyhow!("{e}"))?;
-        if labels {
-            drawn
-                .label(name)
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
-        }
-    }
-    if labels {
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 14))
-            .draw()
-            .map_err(|e| anyhow!("{e}"))?;
-    }
+    let mut work = vec![
+        ("turns completed".to_string(), cumulative(&turns)),
+        ("steps ended".to_string(), cumulative(&steps)),
+    ];
+    crate::plot::panel(&top, "work done (cumulative)", &mut work, end, None, labels)?;
     let rows = KINDS.len() as f64;
     let mut faults_chart = ChartBuilder::on(&bottom)
         .margin(15)

@@ -28,22 +28,16 @@ const CALL: Duration = Duration::from_secs(3);
 /// How long a call keeps retrying transient refusals (a replica down, a node electing).
 const RETRY_FOR: Duration = Duration::from_secs(20);
 
-/// Calls `subject`, retrying transient errors and lost replies until [`RETRY_FOR`] passes.
+/// Calls `subject` (every request here is idempotent: it carries its id, or repeating it
+/// changes nothing), retrying transient errors and lost replies until [`RETRY_FOR`] passes.
 pub async fn call<Req, Resp>(client: &async_nats::Client, subject: &str, req: &Req) -> Result<Resp>
 where
     Req: serde::Serialize,
     Resp: serde::de::DeserializeOwned,
 {
-    let deadline = tokio::time::Instant::now() + RETRY_FOR;
-    loop {
-        match api::call::<Req, Resp>(client, subject, req, CALL).await {
-            Ok(r) => return Ok(r),
-            Err(e) if e.code.is_transient() && tokio::time::Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => return Err(anyhow::anyhow!("{subject}: {e}")),
-        }
-    }
+    api::call_idempotent(client, subject, req, CALL, RETRY_FOR)
+        .await
+        .map_err(|e| anyhow::anyhow!("{subject}: {e}"))
 }
 
 /// The sessions the workload drives.

@@ -159,28 +159,15 @@ impl Ctx {
     /// (`turnstile_session_state_entries`), read at each scrape while the replica lives.
     pub fn probe_session_state(self: &std::sync::Arc<Self>) {
         let m = turnstile_shared::metrics::metrics();
-        let ctx = std::sync::Arc::downgrade(self);
-        m.probe("completion_consumers", move || {
-            ctx.upgrade()
-                .map(|c| c.completions.lock().map(|m| m.len()).unwrap_or(0))
+        m.probe_of("completion_consumers", self, |c| {
+            c.completions.lock().map(|m| m.len()).unwrap_or(0)
         });
-        let ctx = std::sync::Arc::downgrade(self);
-        m.probe("left_pending", move || {
-            ctx.upgrade()
-                .map(|c| c.left_pending.lock().map(|s| s.len()).unwrap_or(0))
+        m.probe_of("left_pending", self, |c| {
+            c.left_pending.lock().map(|s| s.len()).unwrap_or(0)
         });
-        let ctx = std::sync::Arc::downgrade(self);
-        m.probe("completion_standbys", move || {
-            ctx.upgrade().map(|c| c.standbys.len())
-        });
-        let ctx = std::sync::Arc::downgrade(self);
-        m.probe("placed_sessions", move || {
-            ctx.upgrade().map(|c| c.placement.sessions())
-        });
-        let ctx = std::sync::Arc::downgrade(self);
-        m.probe("lane_pulls", move || {
-            ctx.upgrade().map(|c| c.pulls.waiting())
-        });
+        m.probe_of("completion_standbys", self, |c| c.standbys.len());
+        m.probe_of("placed_sessions", self, |c| c.placement.sessions());
+        m.probe_of("lane_pulls", self, |c| c.pulls.waiting());
     }
 
     pub fn hand_back_lane(&self, consumer: String) {

@@ -141,25 +141,17 @@ impl Ctx {
     /// (`turnstile_session_state_entries`), read at each scrape while the agent lives.
     fn probe_session_state(self: &Arc<Self>) {
         let m = turnstile_shared::metrics::metrics();
-        let ctx = Arc::downgrade(self);
-        m.probe("session_specs", move || {
-            ctx.upgrade()
-                .map(|c| c.sessions.lock().map(|m| m.len()).unwrap_or(0))
+        m.probe_of("session_specs", self, |c| {
+            c.sessions.lock().map(|m| m.len()).unwrap_or(0)
         });
-        let ctx = Arc::downgrade(self);
-        m.probe("launch_locks", move || {
-            ctx.upgrade()
-                .map(|c| c.launch_locks.lock().map(|m| m.len()).unwrap_or(0))
+        m.probe_of("launch_locks", self, |c| {
+            c.launch_locks.lock().map(|m| m.len()).unwrap_or(0)
         });
-        let ctx = Arc::downgrade(self);
-        m.probe("active_turns", move || {
-            ctx.upgrade()
-                .map(|c| c.active.lock().map(|m| m.len()).unwrap_or(0))
+        m.probe_of("active_turns", self, |c| {
+            c.active.lock().map(|m| m.len()).unwrap_or(0)
         });
-        let ctx = Arc::downgrade(self);
-        m.probe("running_steps", move || {
-            ctx.upgrade()
-                .map(|c| c.running_steps.lock().map(|m| m.len()).unwrap_or(0))
+        m.probe_of("running_steps", self, |c| {
+            c.running_steps.lock().map(|m| m.len()).unwrap_or(0)
         });
     }
 

@@ -150,12 +150,7 @@ async fn run_step(
         tail.follow(e);
     }
     let pgid = child.id();
-    let period = ctx
-        .config
-        .topology
-        .progress_interval()
-        .min(Duration::from_secs(5));
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    let mut tick = progress_ticker(ctx);
     // At most one heartbeat in flight, awaited beside the command: a broker that does not
     // answer (frozen, partitioned) must not keep the command's exit, or a cancel, unseen.
     let mut beat: Option<
@@ -308,6 +303,17 @@ async fn send(ctx: &Ctx, req: &StepReport) -> Result<ReportAck, String> {
     }
 }
 
+/// Ticks when the step's work message is due a progress ack (and the broker a heartbeat):
+/// within the work's ack wait, at most every 5 s, first one period from now.
+fn progress_ticker(ctx: &Ctx) -> tokio::time::Interval {
+    let period = ctx
+        .config
+        .topology
+        .progress_interval()
+        .min(Duration::from_secs(5));
+    tokio::time::interval_at(tokio::time::Instant::now() + period, period)
+}
+
 /// Reports the outcome, retrying until the broker takes it (its result must not be lost), and
 /// keeps the work message in progress meanwhile, so it is not handed out again while no
 /// broker answers (a redelivery would find the step still this worker's, and run it twice).
@@ -318,12 +324,7 @@ async fn deliver_report(
     report: Report,
     shutdown: &CancellationToken,
 ) -> bool {
-    let period = ctx
-        .config
-        .topology
-        .progress_interval()
-        .min(Duration::from_secs(5));
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    let mut tick = progress_ticker(ctx);
     let delivered = call(ctx, item, report, shutdown);
     tokio::pin!(delivered);
     loop {
