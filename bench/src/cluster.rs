@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use turnstile_tests::NatsServer;
+use turnstile_tests::{NatsServer, Placement};
 
 /// How the cluster's nodes flush their store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,31 +39,53 @@ impl Sync {
 /// Writes each node's config and starts the three nodes at once. Returns them in order; the
 /// first is the one clients connect to.
 pub async fn start(dir: &Path, sync: Sync) -> Result<Vec<NatsServer>> {
+    start_placed(dir, sync, vec![Placement::default(); 3]).await
+}
+
+/// Like [`start`], each node placed as given (a network namespace and address of its own, a
+/// store on a filesystem of its own): the fault campaign's cluster.
+pub async fn start_placed(
+    dir: &Path,
+    sync: Sync,
+    placements: Vec<Placement>,
+) -> Result<Vec<NatsServer>> {
+    anyhow::ensure!(placements.len() == 3, "a cluster here has three nodes");
     let ports: Vec<u16> = (0..3)
         .map(|_| turnstile_tests::free_port())
         .collect::<Result<_>>()?;
+    let hosts: Vec<String> = placements
+        .iter()
+        .map(|p| {
+            p.netns
+                .as_ref()
+                .map_or_else(|| "127.0.0.1".to_string(), |(_, host)| host.clone())
+        })
+        .collect();
     let routes: Vec<String> = ports
         .iter()
-        .map(|p| format!("nats://127.0.0.1:{p}"))
+        .zip(&hosts)
+        .map(|(p, h)| format!("nats://{h}:{p}"))
         .collect();
     let mut configs = Vec::new();
-    for (i, port) in ports.iter().enumerate() {
+    for (i, (port, host)) in ports.iter().zip(&hosts).enumerate() {
         let mut text = String::new();
         if sync == Sync::Always {
             text.push_str("jetstream {\n  sync_interval: always\n}\n");
         }
         text.push_str(&format!(
-            "cluster {{\n  name: turnstile-bench\n  listen: 127.0.0.1:{port}\n  routes: [{}]\n}}\n",
+            "cluster {{\n  name: turnstile-bench\n  listen: {host}:{port}\n  routes: [{}]\n}}\n",
             routes.join(", ")
         ));
         let path = dir.join(format!("node-{i}.conf"));
         std::fs::write(&path, text).with_context(|| format!("write {}", path.display()))?;
         configs.push(path);
     }
+    let mut placements = placements.into_iter();
+    let mut next = || placements.next().unwrap_or_default();
     let (a, b, c) = tokio::join!(
-        NatsServer::start_with_config(&configs[0], Vec::new(), None, Vec::new()),
-        NatsServer::start_with_config(&configs[1], Vec::new(), None, Vec::new()),
-        NatsServer::start_with_config(&configs[2], Vec::new(), None, Vec::new()),
+        NatsServer::start_placed(Some(&configs[0]), next()),
+        NatsServer::start_placed(Some(&configs[1]), next()),
+        NatsServer::start_placed(Some(&configs[2]), next()),
     );
     Ok(vec![a?, b?, c?])
 }

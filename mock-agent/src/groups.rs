@@ -59,6 +59,8 @@ impl Plan {
             scope: Some(self.scope),
             count: None,
             trace: None,
+            child: None,
+            agent: false,
         })
     }
 

@@ -28,8 +28,8 @@ pub fn start(spec: &StepSpec) -> Vec<String> {
             )]
         }
     };
-    let mut command = Command::new(exe);
-    command.args(spec.cli_args());
+    let mut command = Command::new(&exe);
+    command.args(spec.cli_args(&exe.to_string_lossy()));
     run(command, &spec.name)
 }
 
@@ -148,7 +148,7 @@ mod tests {
     fn fake_cli(script: &str, spec: &StepSpec) -> Command {
         let mut command = Command::new("sh");
         command.arg("-c").arg(script).arg("fake-turnstile");
-        command.args(spec.cli_args());
+        command.args(spec.cli_args("turnstile"));
         command
     }
 

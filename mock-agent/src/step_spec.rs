@@ -41,8 +41,8 @@ impl StepScope {
 /// The arguments of a `!step` directive.
 ///
 /// Grammar (whitespace-separated tokens): `NAME DURATION [ok|fail]` as positionals in that order,
-/// with `--scope turn|session|detached`, `--count N` and `--trace FILE` (or `--scope=S`, ...)
-/// anywhere among them.
+/// with `--scope turn|session|detached`, `--count N`, `--trace FILE`, `--child DURATION` and
+/// `--agent` (or `--scope=S`, ...) anywhere among them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepSpec {
     /// The step name (`--name`); one token, not starting with `-`.
@@ -58,6 +58,12 @@ pub struct StepSpec {
     /// `--trace FILE`: the command first appends its step id (`$TURNSTILE_STEP`) to FILE, so
     /// a checker can count how often each step's command started.
     pub trace: Option<String>,
+    /// `--child DURATION`: the command first starts a step of its own (`NAME-child`, sleeping
+    /// DURATION, traced like its parent) with the step's credentials: a nested step.
+    pub child: Option<Duration>,
+    /// `--agent`: a background agent instead of a command. Its prompt has the new agent sleep
+    /// DURATION and, with `--trace`, start a traced step of its own (`NAME-sub`).
+    pub agent: bool,
 }
 
 impl StepSpec {
@@ -68,6 +74,8 @@ impl StepSpec {
         let mut scope = None;
         let mut count = None;
         let mut trace = None;
+        let mut child = None;
+        let mut agent = false;
         while let Some(token) = tokens.next() {
             let Some(option) = token.strip_prefix("--") else {
                 positionals.push(token);
@@ -78,14 +86,23 @@ impl StepSpec {
                 None => (option, None),
             };
             match key {
-                "scope" | "count" | "trace" => {}
+                "agent" if inline.is_none() => {
+                    agent = true;
+                    continue;
+                }
+                "scope" | "count" | "trace" | "child" => {}
                 _ => return Err(format!("unknown option {token:?}")),
             }
             let value = inline
                 .or_else(|| tokens.next())
                 .filter(|value| !value.is_empty())
                 .ok_or_else(|| format!("--{key} needs a value"))?;
-            if key == "trace" {
+            if key == "child" {
+                if child.is_some() {
+                    return Err("--child given twice".to_string());
+                }
+                child = Some(duration::parse(value).map_err(|err| format!("--child: {err}"))?);
+            } else if key == "trace" {
                 if trace.is_some() {
                     return Err("--trace given twice".to_string());
                 }
@@ -128,6 +145,9 @@ impl StepSpec {
         if let Some(extra) = positionals.next() {
             return Err(format!("unexpected argument {extra:?}"));
         }
+        if agent && (child.is_some() || outcome == StepOutcome::Fail) {
+            return Err("--agent takes neither --child nor fail".to_string());
+        }
         Ok(Self {
             name: name.to_string(),
             duration,
@@ -135,12 +155,15 @@ impl StepSpec {
             scope,
             count,
             trace,
+            child,
+            agent,
         })
     }
 
-    /// The arguments after the turnstile executable:
-    /// `step start --name NAME [--scope S] [--count N] -- <command>`.
-    pub fn cli_args(&self) -> Vec<String> {
+    /// The arguments after the turnstile executable (`exe`, which a nested step's command
+    /// calls again): `step start --name NAME [--scope S] [--count N] -- <command>`, or
+    /// `... --kind agent --prompt TEXT` for a background agent.
+    pub fn cli_args(&self, exe: &str) -> Vec<String> {
         let mut args: Vec<String> = vec!["step".into(), "start".into(), "--name".into()];
         args.push(self.name.clone());
         if let Some(scope) = self.scope {
@@ -151,18 +174,37 @@ impl StepSpec {
             args.push("--count".into());
             args.push(count.to_string());
         }
-        args.push("--".into());
         let seconds = decimal_seconds(self.duration);
-        if let Some(trace) = &self.trace {
+        if self.agent {
+            let mut prompt = format!("[background {}]\n!sleep {seconds}", self.name);
+            if let Some(trace) = &self.trace {
+                prompt.push_str(&format!("\n!step {}-sub 500ms --trace {trace}", self.name));
+            }
+            args.extend(["--kind".into(), "agent".into(), "--prompt".into(), prompt]);
+            return args;
+        }
+        args.push("--".into());
+        if self.trace.is_some() || self.child.is_some() {
             let exit = match self.outcome {
                 StepOutcome::Ok => "",
                 StepOutcome::Fail => "; exit 1",
             };
+            let log = |var: &str| match &self.trace {
+                Some(trace) => format!("echo \"{var}TURNSTILE_STEP\" >> '{trace}'; "),
+                None => String::new(),
+            };
+            let child = match self.child {
+                Some(d) => format!(
+                    "'{exe}' step start --name {}-child -- sh -c \"{}sleep {}\" > /dev/null; ",
+                    self.name,
+                    log("\\$").replace('"', "\\\""),
+                    decimal_seconds(d)
+                ),
+                None => String::new(),
+            };
             args.push("sh".into());
             args.push("-c".into());
-            args.push(format!(
-                "echo \"$TURNSTILE_STEP\" >> '{trace}'; sleep {seconds}{exit}"
-            ));
+            args.push(format!("{}{child}sleep {seconds}{exit}", log("$")));
             return args;
         }
         match self.outcome {
@@ -204,7 +246,7 @@ mod tests {
     }
 
     fn args(spec: &StepSpec) -> Vec<String> {
-        spec.cli_args()
+        spec.cli_args("turnstile")
     }
 
     #[test]
@@ -219,6 +261,8 @@ mod tests {
                 scope: None,
                 count: None,
                 trace: None,
+                child: None,
+                agent: false,
             }
         );
         assert_eq!(
@@ -263,6 +307,84 @@ mod tests {
         assert_eq!(
             step_error("t 2 --trace /a'b"),
             r#"--trace "/a'b" must not contain a quote"#
+        );
+    }
+
+    #[test]
+    fn a_nested_step_is_started_by_its_parents_command_with_the_same_cli() {
+        let spec = step("p 2 --child 500ms --trace /tmp/s.log");
+        assert_eq!(spec.child, Some(Duration::from_millis(500)));
+        assert_eq!(
+            args(&spec)[4..],
+            [
+                "--",
+                "sh",
+                "-c",
+                "echo \"$TURNSTILE_STEP\" >> '/tmp/s.log'; 'turnstile' step start --name \
+                 p-child -- sh -c \"echo \\\"\\$TURNSTILE_STEP\\\" >> '/tmp/s.log'; sleep 0.5\" \
+                 > /dev/null; sleep 2"
+            ]
+        );
+        // Run for real with a stand-in CLI that runs the child's command as step `stp_child`:
+        // both shells log their own step id to the trace.
+        let dir = std::env::temp_dir().join(format!("mock-nest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cli, trace) = (dir.join("cli"), dir.join("trace"));
+        std::fs::write(
+            &cli,
+            "#!/bin/sh\nwhile [ \"$1\" != -- ]; do shift; done; shift\nTURNSTILE_STEP=stp_child exec \"$@\"\n",
+        )
+        .unwrap();
+        let mut perms = std::fs::metadata(&cli).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+        std::fs::set_permissions(&cli, perms).unwrap();
+        let spec = step(&format!("p 1ms --child 1ms --trace {}", trace.display()));
+        let script = spec.cli_args(&cli.to_string_lossy())[7].clone();
+        let status = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(&script)
+            .env("TURNSTILE_STEP", "stp_parent")
+            .status()
+            .unwrap();
+        assert!(status.success(), "{script}");
+        assert_eq!(
+            std::fs::read_to_string(&trace).unwrap(),
+            "stp_parent\nstp_child\n"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(step("p 1 --child 1s").child, Some(Duration::from_secs(1)));
+        assert_eq!(
+            args(&step("p 1 --child 1s"))[4..],
+            [
+                "--",
+                "sh",
+                "-c",
+                "'turnstile' step start --name p-child -- sh -c \"sleep 1\" > /dev/null; sleep 1"
+            ]
+        );
+        assert!(step_error("p 1 --child soon").starts_with("--child: "));
+    }
+
+    #[test]
+    fn a_background_agent_step_has_a_prompt_and_no_command() {
+        let spec = step("bg 1s --agent --trace /tmp/s.log");
+        assert!(spec.agent);
+        assert_eq!(
+            args(&spec),
+            [
+                "step",
+                "start",
+                "--name",
+                "bg",
+                "--kind",
+                "agent",
+                "--prompt",
+                "[background bg]\n!sleep 1\n!step bg-sub 500ms --trace /tmp/s.log"
+            ]
+        );
+        assert_eq!(
+            step_error("bg 1s --agent --child 1s"),
+            "--agent takes neither --child nor fail"
         );
     }
 

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 
-pub use nats::{nats_server_bin, NatsServer};
+pub use nats::{nats_server_bin, NatsServer, Placement};
 pub use process::{bin_path, ServiceProcess};
 pub use wait::{wait_lanes_pulled, wait_until};
 

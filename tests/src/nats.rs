@@ -52,6 +52,17 @@ pub fn nats_server_bin() -> anyhow::Result<PathBuf> {
     )
 }
 
+/// Where a server runs, beyond the defaults (loopback; a store in the server's own temp dir).
+#[derive(Debug, Clone, Default)]
+pub struct Placement {
+    /// A network namespace to run in (`ip netns exec NS`) and the address the server listens
+    /// on there: a fault test cuts the namespace off the network, and the server's
+    /// connections go silent without closing.
+    pub netns: Option<(String, String)>,
+    /// A store directory of the caller's (a small filesystem of its own, to fill up).
+    pub store_dir: Option<PathBuf>,
+}
+
 /// A `nats-server` child process with JetStream and a file store in its own temp dir.
 ///
 /// Listens on `127.0.0.1:<port>`; the port and store stay the same across
@@ -76,6 +87,10 @@ pub struct NatsServer {
     user: Option<(String, String)>,
     /// TLS files the probe and [`NatsServer::client`] connect with (`TURNSTILE_TLS_*` names).
     tls: Vec<(&'static str, String)>,
+    /// The address it listens on (`127.0.0.1` unless placed in a network namespace).
+    host: String,
+    /// The network namespace it runs in (`ip netns exec`), if any.
+    netns: Option<String>,
     // Declared last: removed only after the child is gone.
     _dir: TempDir,
 }
@@ -83,7 +98,7 @@ pub struct NatsServer {
 impl NatsServer {
     /// Starts a server on a random free port and waits (≤ 10 s) until JetStream answers.
     pub async fn start() -> anyhow::Result<NatsServer> {
-        Self::start_inner(None, Vec::new(), None, Vec::new()).await
+        Self::start_inner(None, Vec::new(), None, Vec::new(), Placement::default()).await
     }
 
     /// Like [`NatsServer::start`], with a configuration file (e.g. the shipped
@@ -94,7 +109,29 @@ impl NatsServer {
         user: Option<(String, String)>,
         tls: Vec<(&'static str, String)>,
     ) -> anyhow::Result<NatsServer> {
-        Self::start_inner(Some(config.to_path_buf()), env, user, tls).await
+        Self::start_inner(
+            Some(config.to_path_buf()),
+            env,
+            user,
+            tls,
+            Placement::default(),
+        )
+        .await
+    }
+
+    /// Like [`NatsServer::start_with_config`] (no users), placed as `placement` says.
+    pub async fn start_placed(
+        config: Option<&Path>,
+        placement: Placement,
+    ) -> anyhow::Result<NatsServer> {
+        Self::start_inner(
+            config.map(Path::to_path_buf),
+            Vec::new(),
+            None,
+            Vec::new(),
+            placement,
+        )
+        .await
     }
 
     async fn start_inner(
@@ -102,13 +139,16 @@ impl NatsServer {
         env: Vec<(String, String)>,
         user: Option<(String, String)>,
         tls: Vec<(&'static str, String)>,
+        placement: Placement,
     ) -> anyhow::Result<NatsServer> {
         let bin = nats_server_bin()?;
         let dir = tempfile::Builder::new()
             .prefix("turnstile-nats-")
             .tempdir()
             .context("creating a temp dir for nats-server")?;
-        let store_dir = dir.path().join("store");
+        let store_dir = placement
+            .store_dir
+            .unwrap_or_else(|| dir.path().join("store"));
         std::fs::create_dir_all(&store_dir)
             .with_context(|| format!("creating {}", store_dir.display()))?;
         let mut server = NatsServer {
@@ -126,6 +166,11 @@ impl NatsServer {
             env,
             user,
             tls,
+            host: placement
+                .netns
+                .as_ref()
+                .map_or_else(|| "127.0.0.1".to_string(), |(_, host)| host.clone()),
+            netns: placement.netns.map(|(ns, _)| ns),
             _dir: dir,
         };
         // A fresh server may pick another port if the random one got taken meanwhile.
@@ -133,14 +178,14 @@ impl NatsServer {
         Ok(server)
     }
 
-    /// `nats://127.0.0.1:<port>`.
+    /// `nats://127.0.0.1:<port>` (the namespace's address when placed in one).
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        format!("nats://{}:{}", self.host, self.port)
     }
 
     /// `nats://user:password@127.0.0.1:<port>`, for a service's own identity.
     pub fn url_as(&self, user: &str, password: &str) -> String {
-        format!("nats://{user}:{password}@127.0.0.1:{}", self.port)
+        format!("nats://{user}:{password}@{}:{}", self.host, self.port)
     }
 
     /// Client port (stable across restarts).
@@ -243,7 +288,7 @@ impl NatsServer {
 
     fn spawn(&self) -> anyhow::Result<Child> {
         let pairs = [
-            ("-a", "127.0.0.1".to_string()),
+            ("-a", self.host.clone()),
             ("-p", self.port.to_string()),
             ("-sd", self.store_dir.display().to_string()),
             ("-m", self.monitor_port.to_string()),
@@ -260,7 +305,16 @@ impl NatsServer {
                 .flat_map(|(flag, value)| [flag.to_string(), value]),
         );
         let (stdout, stderr) = open_log(&self.log_path, &self.bin, &args)?;
-        Command::new(&self.bin)
+        // In a namespace, `ip netns exec` execs the server: the child's pid is the server's.
+        let mut command = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&self.bin);
+                c
+            }
+            None => Command::new(&self.bin),
+        };
+        command
             .args(&args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
@@ -448,6 +502,8 @@ mod tests {
             env: Vec::new(),
             user: None,
             tls: Vec::new(),
+            host: "127.0.0.1".to_string(),
+            netns: None,
             _dir: dir,
         };
         let started = Instant::now();

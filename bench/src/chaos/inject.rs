@@ -125,6 +125,15 @@ impl Injector {
                 signal(pid, Signal::STOP)?;
                 Ok(None)
             }
+            FaultKind::PartitionNats => {
+                let (net, i) = stack.net(&fault.target)?;
+                net.cut(i)?;
+                Ok(None)
+            }
+            FaultKind::DiskFull => {
+                stack.disk(&fault.target)?.fill()?;
+                Ok(None)
+            }
             FaultKind::KillAgent => {
                 let (host, session) = {
                     let mut rng = self
@@ -161,6 +170,14 @@ impl Injector {
                     .pid()
                     .context("not running")?;
                 signal(pid, Signal::CONT)
+            }
+            FaultKind::PartitionNats => {
+                let (net, i) = stack.net(&fault.target)?;
+                net.mend(i)
+            }
+            FaultKind::DiskFull => {
+                stack.disk(&fault.target)?.free()?;
+                stack.nats_node(&fault.target)?.restart().await
             }
             FaultKind::KillAgent | FaultKind::KillTmux => Ok(()),
         }
@@ -224,9 +241,13 @@ pub async fn heal(stack: &Mutex<ChaosStack>) -> Result<()> {
             p.restart().await?;
         }
     }
-    for n in &stack.nats {
-        if let Some(pid) = n.pid() {
-            let _ = signal(pid, Signal::CONT);
+    stack.mend_all();
+    for n in &mut stack.nats {
+        match n.pid() {
+            Some(pid) => {
+                let _ = signal(pid, Signal::CONT);
+            }
+            None => n.restart().await?,
         }
     }
     Ok(())

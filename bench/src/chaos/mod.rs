@@ -11,8 +11,10 @@
 //! `--plan`: print the plan and stop).
 
 pub mod check;
+mod disk;
 mod history;
 mod inject;
+mod net;
 mod plan;
 mod stack;
 mod timeline;
@@ -103,6 +105,7 @@ fn targets(replicas: usize) -> plan::Targets {
         } else {
             Vec::new()
         },
+        stores: (0..replicas).map(|i| format!("nats-{i}")).collect(),
     }
 }
 
@@ -433,6 +436,8 @@ fn figures(
         "history": {
             "turns": history.turns.len(),
             "executions": history.executions.len(),
+            "nested_steps": history.executions.values().filter(|e| e.parent.as_ref().is_some_and(|p| p.as_str().starts_with("stp_"))).count(),
+            "background_agents": history.executions.values().filter(|e| matches!(e.work, Some(turnstile_shared::execution::StepWork::Agent { .. }))).count(),
             "runs": history.runs.len(),
             "slots": history.slots.len(),
             "step_starts": history.step_starts.values().sum::<u32>(),

@@ -54,6 +54,12 @@ pub enum FaultKind {
     KillNats,
     /// SIGSTOP a nats-server node for the duration (only on a cluster).
     PauseNats,
+    /// Cut a nats-server node off the network for the duration: its connections go silent
+    /// without closing (only on a cluster).
+    PartitionNats,
+    /// Fill a nats-server node's store disk for the duration, then free it and restart the
+    /// node (nats-server needs the restart to write again).
+    DiskFull,
     /// SIGKILL the mock agent of a session, mid-turn or idle.
     KillAgent,
     /// Kill a host's tmux server (every terminal of the host at once).
@@ -69,6 +75,8 @@ impl FaultKind {
             Self::PauseService => "pause_service",
             Self::KillNats => "kill_nats",
             Self::PauseNats => "pause_nats",
+            Self::PartitionNats => "partition_nats",
+            Self::DiskFull => "disk_full",
             Self::KillAgent => "kill_agent",
             Self::KillTmux => "kill_tmux",
             Self::HostGone => "host_gone",
@@ -103,6 +111,8 @@ pub struct Targets {
     pub hosts: Vec<String>,
     /// Empty on a single server: its faults are not drawn.
     pub nats_nodes: Vec<String>,
+    /// Every node, whose store disk may fill up.
+    pub stores: Vec<String>,
 }
 
 /// The plan for `window` of faults: on average one fault every `every`, each held for a
@@ -118,8 +128,15 @@ pub fn draw(seed: u64, window: Duration, every: Duration, targets: &Targets) -> 
         FaultKind::KillTmux,
         FaultKind::HostGone,
     ];
+    if !targets.stores.is_empty() {
+        kinds.push(FaultKind::DiskFull);
+    }
     if !targets.nats_nodes.is_empty() {
-        kinds.extend([FaultKind::KillNats, FaultKind::PauseNats]);
+        kinds.extend([
+            FaultKind::KillNats,
+            FaultKind::PauseNats,
+            FaultKind::PartitionNats,
+        ]);
     }
     let mut out = Vec::new();
     let mut at = Duration::ZERO;
@@ -144,6 +161,11 @@ pub fn draw(seed: u64, window: Duration, every: Duration, targets: &Targets) -> 
                 rng.pick(&targets.nats_nodes).clone(),
                 rng.millis(1_000, 5_000),
             ),
+            FaultKind::PartitionNats => (
+                rng.pick(&targets.nats_nodes).clone(),
+                rng.millis(2_000, 8_000),
+            ),
+            FaultKind::DiskFull => (rng.pick(&targets.stores).clone(), rng.millis(1_000, 4_000)),
             FaultKind::KillAgent => ("agent".to_string(), Duration::ZERO),
             FaultKind::KillTmux => (rng.pick(&targets.hosts).clone(), Duration::ZERO),
             FaultKind::HostGone => (
@@ -171,6 +193,7 @@ mod tests {
             transports: vec!["transport-h1".into()],
             hosts: vec!["h1".into()],
             nats_nodes: vec![],
+            stores: vec!["nats-0".into()],
         }
     }
 
@@ -191,9 +214,16 @@ mod tests {
             FaultKind::KillAgent,
             FaultKind::KillTmux,
             FaultKind::HostGone,
+            FaultKind::DiskFull,
         ] {
             assert!(a.iter().any(|f| f.kind == kind), "{kind:?}");
         }
-        assert!(!a.iter().any(|f| f.kind == FaultKind::KillNats));
+        for kind in [
+            FaultKind::KillNats,
+            FaultKind::PauseNats,
+            FaultKind::PartitionNats,
+        ] {
+            assert!(!a.iter().any(|f| f.kind == kind), "{kind:?} on one server");
+        }
     }
 }

@@ -8,7 +8,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use turnstile_tests::{bin_path, NatsServer, ServiceProcess};
+use turnstile_tests::{bin_path, NatsServer, Placement, ServiceProcess};
+
+use super::disk::SmallDisk;
+use super::net::Net;
 
 /// Session-lane, broker and scheduler replicas, and the transport hosts.
 pub const LANES: [&str; 2] = ["a", "b"];
@@ -26,6 +29,13 @@ pub const TIMINGS: [(&str, &str); 4] = [
 
 pub struct ChaosStack {
     pub nats: Vec<NatsServer>,
+    /// Each node's store disk, to fill (none where a mount was refused: `no_disk` says why).
+    disks: Vec<SmallDisk>,
+    pub no_disk: Option<String>,
+    /// The cluster's own network, to cut a node off (none on a single server, or where it
+    /// could not be set up: `no_net` says why).
+    net: Option<Net>,
+    pub no_net: Option<String>,
     /// By name: `lane-a`, `broker-b1`, `scheduler-s1`, `transport-h1`.
     pub services: BTreeMap<String, ServiceProcess>,
     /// Logs, stores, mock agents' transcripts; kept after a failed campaign (`keep`).
@@ -36,13 +46,40 @@ pub struct ChaosStack {
 impl ChaosStack {
     pub async fn start(replicas: usize) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("ts-chaos-").tempdir()?;
-        let nats = if replicas > 1 {
-            crate::cluster::start(dir.path(), crate::cluster::Sync::Default).await?
+        let (disks, no_disk) = match (0..replicas)
+            .map(|i| SmallDisk::mount(&dir.path().join(format!("store-{i}"))))
+            .collect::<Result<Vec<_>>>()
+        {
+            Ok(d) => (d, None),
+            Err(e) => (Vec::new(), Some(format!("{e:#}"))),
+        };
+        let (net, no_net) = if replicas > 1 {
+            match Net::create(replicas) {
+                Ok(n) => (Some(n), None),
+                Err(e) => (None, Some(format!("{e:#}"))),
+            }
         } else {
-            vec![NatsServer::start().await?]
+            (None, Some("a single server is not cut off".to_string()))
+        };
+        let placements: Vec<Placement> = (0..replicas)
+            .map(|i| Placement {
+                store_dir: disks.get(i).map(|d| d.path().to_path_buf()),
+                ..net.as_ref().map(|n| n.placement(i)).unwrap_or_default()
+            })
+            .collect();
+        let nats = if replicas > 1 {
+            crate::cluster::start_placed(dir.path(), crate::cluster::Sync::Default, placements)
+                .await?
+        } else {
+            let placement = placements.into_iter().next().unwrap_or_default();
+            vec![NatsServer::start_placed(None, placement).await?]
         };
         let mut stack = Self {
             nats,
+            disks,
+            no_disk,
+            net,
+            no_net,
             services: BTreeMap::new(),
             dir: dir.path().to_path_buf(),
             cleanup: Some(dir),
@@ -163,13 +200,45 @@ impl ChaosStack {
     }
 
     pub fn nats_node(&mut self, name: &str) -> Result<&mut NatsServer> {
-        let i: usize = name
-            .strip_prefix("nats-")
-            .and_then(|n| n.parse().ok())
-            .with_context(|| format!("no nats node {name}"))?;
+        let i = node_index(name)?;
         self.nats
             .get_mut(i)
             .with_context(|| format!("no nats node {name}"))
+    }
+
+    /// The store disk of a node, when the stack has them.
+    pub fn disk(&self, name: &str) -> Result<&SmallDisk> {
+        if let Some(why) = &self.no_disk {
+            bail!("no disk of its own: {why}");
+        }
+        let i = node_index(name)?;
+        self.disks
+            .get(i)
+            .with_context(|| format!("no disk for {name}"))
+    }
+
+    /// The network a node can be cut off from, when the stack has one.
+    pub fn net(&self, name: &str) -> Result<(&Net, usize)> {
+        match (&self.net, &self.no_net) {
+            (Some(net), _) => Ok((net, node_index(name)?)),
+            (None, why) => bail!(
+                "no network of its own: {}",
+                why.as_deref().unwrap_or("not set up")
+            ),
+        }
+    }
+
+    /// Mends every node's network and frees every store disk (after the faults, whatever
+    /// lift failed).
+    pub fn mend_all(&self) {
+        if let Some(net) = &self.net {
+            for i in 0..self.nats.len() {
+                let _ = net.mend(i);
+            }
+        }
+        for d in &self.disks {
+            let _ = d.free();
+        }
     }
 
     /// The tmux socket of a host's transport agent.
@@ -236,6 +305,12 @@ impl Drop for ChaosStack {
             let _ = self.kill_tmux(h);
         }
     }
+}
+
+fn node_index(name: &str) -> Result<usize> {
+    name.strip_prefix("nats-")
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("no nats node {name}"))
 }
 
 /// One signal to one process (never a group: see the workplace's warning about `kill -PGID`).

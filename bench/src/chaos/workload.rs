@@ -1,9 +1,9 @@
 //! The campaign's workload: what users of Turnstile do, all at once, while faults land. Mock
-//! sessions on both hosts get turns whose agents start steps of every scope (each step's
-//! command logs its start, so a second run would show), runs of several messages with a
-//! finalizer, schedules firing every few seconds under each overlap policy, operator
-//! cancellations of what a turn owns, retries of failed runs, and one session stopped while
-//! its work runs. Every call retries what is transient (a replica or node is down) within a
+//! sessions on both hosts get turns whose agents start steps of every scope, nested steps and
+//! background agents (each step's command logs its start, so a second run would show), runs
+//! of several messages with a finalizer, schedules firing every few seconds under each
+//! overlap policy, operator cancellations of what a turn owns, retries of failed runs, and one
+//! session stopped while its work runs. Every call retries what is transient (a replica or node is down) within a
 //! bound, and gives up on the rest: a call that fails is the campaign's business, not a
 //! violation (the history says what became of what was accepted).
 
@@ -242,6 +242,14 @@ impl<'a> Driver<'a> {
         }
         if self.rng.below(5) == 0 {
             out.push_str(&format!("\n!step s{n}-bad 500ms fail --trace {t}"));
+        }
+        // A nested step: the step's own command starts a child with the step's credentials.
+        if self.rng.below(5) == 0 {
+            out.push_str(&format!("\n!step s{n}-nest 1s --child 1s --trace {t}"));
+        }
+        // A background agent: a new session on the host runs a run that starts a step.
+        if self.rng.below(12) == 0 {
+            out.push_str(&format!("\n!step s{n}-bg 1s --agent --trace {t}"));
         }
         out.push_str(&format!("\n!sleep {}ms", 100 + self.rng.below(600)));
         out
