@@ -39,6 +39,8 @@ pub(super) enum DriveError {
     Dispatch(async_nats::Error),
     #[error("run record disappeared")]
     Gone,
+    #[error(transparent)]
+    Fenced(#[from] crate::ctx::Fenced),
 }
 
 /// How a run ended.
@@ -293,6 +295,7 @@ impl Driver<'_> {
     }
 
     async fn update(&mut self, f: impl Fn(&mut RunRecord)) -> Result<(), DriveError> {
+        self.ctx.lease.hold().await?;
         let next = self
             .ctx
             .buckets
