@@ -146,7 +146,6 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
         }
     }
     served.sort_by(f64::total_cmp);
-    let survivor = crate::failover::survivor_account(&lane_b.log_tail(400), killed_at);
     drop((lane_b, services));
     Ok(serde_json::json!({
         "sessions": sessions,
@@ -169,7 +168,6 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
             "p99": crate::percentile(&served, 99.0),
             "max": served.last().copied().unwrap_or(f64::NAN),
         },
-        "failover_survivor": survivor,
     }))
 }
 

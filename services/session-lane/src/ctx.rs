@@ -25,33 +25,17 @@ pub enum Error {
 #[error("this replica's liveness key was taken by a survivor (it was silent for too long)")]
 pub struct Fenced;
 
-/// How often a replica renews its liveness key, how long it may act on its last renewal, and
-/// when a survivor takes a peer for dead (`liveness`).
+/// How often a replica renews its liveness key, and how long a silent one lives.
 #[derive(Debug, Clone, Copy)]
 pub struct Timing {
-    /// Between two renewals of this replica's key.
     pub interval: Duration,
-    /// How long after *sending* its last successful renewal this replica may still act
-    /// (`liveness::lease`): shorter than [`Timing::gone_after`] and [`Timing::timeout`], so no
-    /// replica acts once a survivor may have taken it over.
-    pub lease: Duration,
-    /// Between two pings of each peer (`liveness::probe`).
-    pub probe: Duration,
-    /// A peer the server says is disconnected (its pings get no responders) and whose
-    /// renewals stopped this long ago is dead: the fast path, for a process that died.
-    pub gone_after: Duration,
-    /// A peer silent this long is dead even while its connection stays open: the slow path,
-    /// for a paused or partitioned process.
     pub timeout: Duration,
 }
 
 impl Default for Timing {
     fn default() -> Self {
         Self {
-            interval: Duration::from_millis(100),
-            lease: Duration::from_millis(300),
-            probe: Duration::from_millis(100),
-            gone_after: Duration::from_millis(400),
+            interval: Duration::from_millis(250),
             timeout: Duration::from_millis(1250),
         }
     }
@@ -71,8 +55,6 @@ pub(crate) struct Ctx {
     /// Cancelled when a survivor took this replica for dead and took its lanes over: nothing
     /// may be acked, given back or handed back from then on.
     pub fenced: CancellationToken,
-    /// Whether this replica may act now: its last renewal is recent (`liveness::lease`).
-    pub lease: crate::liveness::Lease,
     pub turns: crate::turn_watch::TurnWatch,
     /// The process-wide shutdown, as distinct from one lane's cancellation.
     pub shutdown: CancellationToken,

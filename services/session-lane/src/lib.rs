@@ -139,7 +139,6 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         ),
         replica: config.replica.clone(),
         liveness: config.liveness,
-        lease: liveness::Lease::new(config.liveness.lease),
         fenced,
         turns,
         shutdown: stop.clone(),
@@ -158,14 +157,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     tokio::spawn(placement::watch_hosts(ctx.clone(), stop.child_token()));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");
 
-    // Liveness outlives the lanes on a graceful stop: their last acts run under its lease.
-    let live = CancellationToken::new();
     let liveness = {
         let ctx = ctx.clone();
         let stop = stop.clone();
-        let live = live.clone();
         tokio::spawn(async move {
-            let result = liveness::run(ctx.clone(), live).await;
+            let result = liveness::run(ctx.clone(), stop.clone()).await;
             if result.is_err() {
                 ctx.fenced.cancel();
                 stop.cancel();
@@ -177,7 +173,6 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     let lanes = supervisor::run(ctx.clone(), stop.clone());
     let (api_result, lanes_result) = tokio::join!(api, lanes);
     stop.cancel();
-    live.cancel();
     if let Ok(Err(fenced)) = liveness.await {
         ctx.client.drain().await.ok();
         return Err(fenced.into());

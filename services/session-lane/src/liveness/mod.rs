@@ -1,35 +1,23 @@
-//! Replica liveness: how a SIGKILLed replica's lanes are served by another in well under a
-//! second, without shortening the ack wait and pin TTL that protect slow turns, and without
-//! ever taking lanes from a replica that is alive.
+//! Replica liveness: how a SIGKILLed replica's lanes are served by another within seconds,
+//! without shortening the ack wait and pin TTL that protect slow turns.
 //!
 //! Each replica process is an *instance* (`<replica>-<random>`) with a key `live.<instance>`
 //! in the replicas bucket, renewed every [`Timing::interval`] by compare-and-set on its own
-//! revision, and a ping subject it answers on (`probe`). Every replica watches those keys and
-//! pings every peer every [`Timing::probe`]. A peer is dead when
-//! - the server says its connection is gone (pings get *no responders*, twice running) and its
-//!   renewals stopped more than [`Timing::gone_after`] ago: a process that died, detected in
-//!   a few hundred milliseconds; or
-//! - it has not renewed for [`Timing::timeout`], connection or not: a paused or partitioned
-//!   process.
+//! revision. Every replica watches those keys. An instance not renewed for
+//! [`Timing::timeout`] is dead: the first survivor to delete its key *at the revision it last
+//! saw* (so a replica that renewed meanwhile is never taken over, and only one survivor wins)
+//! takes its lanes over (`takeover`): for each pin the dead instance recorded, the lane is
+//! unpinned and the item it held in flight is given back, so a survivor's waiting pull gets it
+//! at once instead of after the pin TTL and the ack wait.
 //!
-//! The first survivor to delete a dead peer's key *at the revision it last saw* (so a replica
-//! that renewed meanwhile is never taken over, and only one survivor wins) takes its lanes
-//! over (`takeover`): for each pin the dead instance recorded, the lane is unpinned and the
-//! item it held in flight is given back, so a survivor's waiting pull gets it at once instead
-//! of after the pin TTL and the ack wait.
-//!
-//! A replica acts only under its lease (`lease`): within [`Timing::lease`] of sending its last
-//! successful renewal, which both paths above outwait. A replica that finds its own key gone
-//! was taken for dead (a pause, a partition): it is *fenced*: it stops at once without giving
-//! anything back (a survivor already did) and the service returns [`crate::Error::Fenced`], so
-//! its supervisor restarts it clean.
+//! A replica that finds its own key gone was taken for dead (a pause, a partition): it is
+//! *fenced*: it stops at once without giving anything back (a survivor already did) and the
+//! service returns [`crate::Error::Fenced`], so its supervisor restarts it clean.
 //!
 //! A watch that stalls (a NATS fail-over) must not make every peer look dead: a peer is judged
 //! only while this replica sees its own renewals come back through the watch; after a gap in
 //! those, every peer gets a fresh timeout.
 
-mod lease;
-mod probe;
 mod takeover;
 
 use std::collections::HashMap;
@@ -44,8 +32,6 @@ use turnstile_shared::subjects;
 
 use crate::ctx::{Ctx, Fenced, Timing};
 
-pub(crate) use lease::Lease;
-use probe::Probe;
 pub(crate) use takeover::{depart, forget_pin, record_pin};
 
 /// The value of a `live.<instance>` key (for operators reading the bucket).
@@ -67,34 +53,11 @@ impl turnstile_shared::retention::Retained for Alive {
 struct Peer {
     revision: u64,
     seen: Instant,
-    /// Probes running that found its connection gone (reset by an answer).
-    gone: u32,
 }
 
-/// Why a peer was taken for dead (logged with the claim).
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Evidence {
-    /// Its connection is gone from the server and its renewals stopped.
-    Gone { silent: std::time::Duration },
-    /// Silent past the timeout, connection or not.
-    Silent { silent: std::time::Duration },
-}
-
-/// Consecutive *no responders* that count as a peer's connection gone.
-const GONE_PROBES: u32 = 2;
-
-/// Renews this instance's key, pings and judges peers and takes over dead ones until `stop`;
-/// `Err` when this replica was fenced (its key was taken by a survivor).
-pub(crate) async fn run(ctx: Arc<Ctx>, stop: CancellationToken) -> Result<(), Fenced> {
-    let result = serve(&ctx, &stop).await;
-    match result {
-        Ok(()) => ctx.lease.depart(),
-        Err(Fenced) => ctx.lease.fence(),
-    }
-    result
-}
-
-async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
+/// Renews this instance's key and takes over dead peers until `shutdown`; `Err` when this
+/// replica was fenced (its key was taken by a survivor).
+pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Fenced> {
     let key = subjects::replica_live_key(&ctx.instance);
     let alive = Alive {
         replica: ctx.replica.clone(),
@@ -102,27 +65,13 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
         since: chrono::Utc::now(),
     };
     let timing = ctx.liveness;
-    let answering = stop.child_token();
-    let _answering = answering.clone().drop_guard();
-    // Answer pings before announcing: a peer never finds an announced instance unreachable.
-    while let Err(e) = probe::answer(&ctx.client, &ctx.instance, answering.clone()).await {
-        tracing::warn!(error = %e, "answer liveness pings; retrying");
-        crate::bucket_watch::sleep_or_cancel(stop, timing.interval).await;
-        if stop.is_cancelled() {
-            return Ok(());
-        }
-    }
     let mut revision = loop {
-        let sent = Instant::now();
         match ctx.buckets.replicas.put(&key, &alive).await {
-            Ok(r) => {
-                ctx.lease.renewed(sent);
-                break r;
-            }
+            Ok(r) => break r,
             Err(e) => {
                 tracing::warn!(error = %e, "announce replica liveness; retrying");
-                crate::bucket_watch::sleep_or_cancel(stop, timing.interval).await;
-                if stop.is_cancelled() {
+                crate::bucket_watch::sleep_or_cancel(&shutdown, timing.interval).await;
+                if shutdown.is_cancelled() {
                     return Ok(());
                 }
             }
@@ -132,9 +81,6 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
     let mut own_seen = Instant::now();
     let mut renew = tokio::time::interval(timing.interval);
     renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut ping = tokio::time::interval(timing.probe);
-    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let (probed_tx, mut probed) = tokio::sync::mpsc::unbounded_channel::<(String, Probe)>();
     let mut watch = None;
     loop {
         if watch.is_none() {
@@ -151,7 +97,7 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
         }
         tokio::select! {
             biased;
-            _ = stop.cancelled() => return Ok(()),
+            _ = shutdown.cancelled() => return Ok(()),
             entry = async {
                 match watch.as_mut() {
                     Some(w) => w.next().await,
@@ -165,66 +111,17 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
                 }
                 None => watch = None,
             },
-            Some((instance, found)) = probed.recv() => {
-                probed_peer(&mut peers, &instance, found);
-            }
             _ = renew.tick() => {
-                revision = renew_own(ctx, &key, &alive, revision).await?;
-                sweep(ctx, &mut peers, own_seen, timing);
+                match ctx.buckets.replicas.update(&key, &alive, revision).await {
+                    Ok(Some(r)) => revision = r,
+                    Ok(None) => {
+                        tracing::error!(instance = %ctx.instance, "this replica was taken for dead and its lanes taken over; stopping without handing anything back");
+                        return Err(Fenced);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "renew replica liveness"),
+                }
+                sweep(&ctx, &mut peers, own_seen, timing);
             }
-            _ = ping.tick() => {
-                ping_peers(ctx, &peers, &probed_tx);
-                sweep(ctx, &mut peers, own_seen, timing);
-            }
-        }
-    }
-}
-
-/// One renewal by compare-and-set: the new revision, or `Err(Fenced)` when the key was taken.
-async fn renew_own(ctx: &Ctx, key: &str, alive: &Alive, revision: u64) -> Result<u64, Fenced> {
-    let sent = Instant::now();
-    match ctx.buckets.replicas.update(key, alive, revision).await {
-        Ok(Some(r)) => {
-            ctx.lease.renewed(sent);
-            Ok(r)
-        }
-        Ok(None) => {
-            tracing::error!(instance = %ctx.instance, "this replica was taken for dead and its lanes taken over; stopping without handing anything back");
-            Err(Fenced)
-        }
-        Err(e) => {
-            ctx.lease.lapse();
-            tracing::warn!(error = %e, "renew replica liveness");
-            Ok(revision)
-        }
-    }
-}
-
-/// Pings every peer (spawned: a paused peer's ping waits out its timeout off this loop).
-fn ping_peers(
-    ctx: &Ctx,
-    peers: &HashMap<String, Peer>,
-    probed: &tokio::sync::mpsc::UnboundedSender<(String, Probe)>,
-) {
-    let wait = ctx.liveness.probe * 3;
-    for instance in peers.keys() {
-        let client = ctx.client.clone();
-        let instance = instance.clone();
-        let probed = probed.clone();
-        tokio::spawn(async move {
-            let found = probe::ask(&client, &instance, wait).await;
-            let _ = probed.send((instance, found));
-        });
-    }
-}
-
-/// A probe's answer: *gone* counts towards the fast path, an answer resets it.
-fn probed_peer(peers: &mut HashMap<String, Peer>, instance: &str, found: Probe) {
-    if let Some(p) = peers.get_mut(instance) {
-        match found {
-            Probe::Answered => p.gone = 0,
-            Probe::Gone => p.gone += 1,
-            Probe::Unknown => {}
         }
     }
 }
@@ -239,7 +136,7 @@ fn observe(
 ) {
     let now = Instant::now();
     if entry.key == own_key {
-        if now.duration_since(*own_seen) > timing.lease {
+        if now.duration_since(*own_seen) > timing.interval * 2 {
             // Our own renewals stalled (NATS or this process): nobody is judged on that gap.
             for p in peers.values_mut() {
                 p.seen = now;
@@ -258,7 +155,6 @@ fn observe(
                 Peer {
                     revision: entry.revision,
                     seen: now,
-                    gone: 0,
                 },
             );
         }
@@ -268,98 +164,21 @@ fn observe(
     }
 }
 
-/// Claims each dead peer (see the module's two paths) and takes its lanes over (spawned:
+/// Claims each peer silent for longer than the timeout and takes its lanes over (spawned:
 /// renewals go on meanwhile).
 fn sweep(ctx: &Arc<Ctx>, peers: &mut HashMap<String, Peer>, own_seen: Instant, timing: Timing) {
     let now = Instant::now();
-    if now.duration_since(own_seen) > timing.lease {
+    if now.duration_since(own_seen) > timing.interval * 2 {
         // This replica does not see its own renewals: it cannot judge anyone.
         return;
     }
-    let dead: Vec<(String, u64, Evidence)> = peers
+    let dead: Vec<(String, u64)> = peers
         .iter()
-        .filter_map(|(i, p)| Some((i.clone(), p.revision, judge(p, now, timing)?)))
+        .filter(|(_, p)| now.duration_since(p.seen) > timing.timeout)
+        .map(|(i, p)| (i.clone(), p.revision))
         .collect();
-    for (instance, revision, evidence) in dead {
+    for (instance, revision) in dead {
         peers.remove(&instance);
-        tokio::spawn(takeover::claim(ctx.clone(), instance, revision, evidence));
-    }
-}
-
-/// Whether a peer is dead, and on what evidence.
-fn judge(peer: &Peer, now: Instant, timing: Timing) -> Option<Evidence> {
-    let silent = now.duration_since(peer.seen);
-    if silent > timing.timeout {
-        Some(Evidence::Silent { silent })
-    } else if peer.gone >= GONE_PROBES && silent > timing.gone_after {
-        Some(Evidence::Gone { silent })
-    } else {
-        None
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::Duration;
-
-    fn peer(silent: Duration, gone: u32) -> (Peer, Instant) {
-        let now = Instant::now();
-        let seen = now.checked_sub(silent).unwrap_or(now);
-        (
-            Peer {
-                revision: 1,
-                seen,
-                gone,
-            },
-            now,
-        )
-    }
-
-    #[test]
-    fn the_timings_keep_every_act_inside_what_a_survivor_waits() {
-        let t = Timing::default();
-        assert!(t.lease < t.gone_after && t.lease < t.timeout);
-        assert!(
-            t.interval * 2 < t.lease,
-            "a late renewal does not lapse the lease"
-        );
-    }
-
-    #[test]
-    fn a_peer_gone_from_the_server_is_dead_once_its_lease_has_run_out() {
-        let t = Timing::default();
-        let (p, now) = peer(t.gone_after + Duration::from_millis(20), GONE_PROBES);
-        assert!(matches!(judge(&p, now, t), Some(Evidence::Gone { .. })));
-        // Gone but renewed lately: a replica reconnecting after its NATS node died.
-        let (p, now) = peer(t.lease, GONE_PROBES + 3);
-        assert!(judge(&p, now, t).is_none());
-        // One lost ping is not enough.
-        let (p, now) = peer(t.gone_after * 2, GONE_PROBES - 1);
-        assert!(judge(&p, now, t).is_none());
-    }
-
-    #[test]
-    fn a_connected_peer_is_dead_only_after_the_silence_timeout() {
-        let t = Timing::default();
-        let (p, now) = peer(t.gone_after * 2, 0);
-        assert!(
-            judge(&p, now, t).is_none(),
-            "paused or partitioned, not yet"
-        );
-        let (p, now) = peer(t.timeout + Duration::from_millis(20), 0);
-        assert!(matches!(judge(&p, now, t), Some(Evidence::Silent { .. })));
-    }
-
-    #[test]
-    fn an_answer_resets_the_count_of_missing_responders() {
-        let (p, _) = peer(Duration::ZERO, 0);
-        let mut peers = HashMap::from([("b-1".to_string(), p)]);
-        probed_peer(&mut peers, "b-1", Probe::Gone);
-        probed_peer(&mut peers, "b-1", Probe::Unknown);
-        probed_peer(&mut peers, "b-1", Probe::Gone);
-        assert_eq!(peers["b-1"].gone, 2);
-        probed_peer(&mut peers, "b-1", Probe::Answered);
-        assert_eq!(peers["b-1"].gone, 0);
+        tokio::spawn(takeover::claim(ctx.clone(), instance, revision));
     }
 }

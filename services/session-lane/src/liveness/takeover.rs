@@ -28,7 +28,6 @@ use async_nats::jetstream::consumer::Info;
 use futures::StreamExt;
 use turnstile_shared::{subjects, SessionId};
 
-use super::Evidence;
 use crate::ctx::Ctx;
 
 /// Lanes taken over at once (each is a consumer info, an unpin and a nak: requests the
@@ -80,24 +79,31 @@ pub(crate) async fn depart(js: &async_nats::jetstream::Context, instance: &str) 
     purge_in(js, &subjects::replica_live_key(instance)).await;
 }
 
-/// Claims a dead instance (deleting its key at the revision last seen: only one survivor
+/// Claims a silent instance (deleting its key at the revision last seen: only one survivor
 /// wins, and never over a renewal) and takes its lanes over.
-pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64, evidence: Evidence) {
+pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
     let key = subjects::replica_live_key(&instance);
     match ctx.buckets.replicas.delete_at(&key, revision).await {
         Ok(true) => {}
         Ok(false) => return,
         Err(e) => {
-            tracing::warn!(%instance, error = %e, "claim a dead replica");
+            tracing::warn!(%instance, error = %e, "claim a silent replica");
             return;
         }
     }
-    let (how, silent) = match evidence {
-        Evidence::Gone { silent } => ("its connection is gone from the server", silent),
-        Evidence::Silent { silent } => ("silent past the timeout", silent),
-    };
-    tracing::info!(%instance, evidence = how, silent_ms = silent.as_millis() as u64, "claimed a dead replica");
     let started = std::time::Instant::now();
+    let pins = match ctx
+        .buckets
+        .replicas
+        .entries_matching::<String>(&subjects::replica_pins(&instance))
+        .await
+    {
+        Ok(k) => k,
+        Err(e) => {
+            tracing::error!(%instance, error = %e, "list a dead replica's lanes; they move after the pin TTL");
+            return;
+        }
+    };
     let stream = match ctx.js.get_stream_no_info(subjects::LANE_STREAM).await {
         Ok(s) => s,
         Err(e) => {
@@ -105,29 +111,15 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64, eviden
             return;
         }
     };
-    // The dead instance's pin records and every lane consumer's state, read at once; the
-    // consumers in pages of 256 fetched side by side (the take-over's cost is mostly
-    // JetStream API round trips, and a page takes as long as its 256 consumers' states).
-    let pin_keys = subjects::replica_pins(&instance);
-    let (pins, infos) = tokio::join!(
-        ctx.buckets.replicas.entries_matching::<String>(&pin_keys),
-        lane_infos(&ctx.js)
-    );
-    let pins = match pins {
-        Ok(k) => k,
-        Err(e) => {
-            tracing::error!(%instance, error = %e, "list a dead replica's lanes; they move after the pin TTL");
-            return;
-        }
-    };
-    let infos = match infos {
+    // Every lane consumer's state in a few paged requests (256 a page), rather than one
+    // request per lane: the take-over's cost is mostly JetStream API round trips.
+    let infos = match lane_infos(&stream).await {
         Ok(i) => Arc::new(i),
         Err(e) => {
             tracing::error!(%instance, error = %e, "list the lane consumers; a dead replica's lanes move after the pin TTL");
             return;
         }
     };
-    let listed_ms = started.elapsed().as_millis() as u64;
     let moved = futures::stream::iter(pins)
         .map(|(key, pin)| {
             let ctx = ctx.clone();
@@ -141,7 +133,7 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64, eviden
         .await;
     purge(&ctx, &subjects::replica_pins(&instance)).await;
     purge(&ctx, &key).await;
-    tracing::info!(%instance, lanes = moved, listed_ms, elapsed_ms = started.elapsed().as_millis() as u64, "took over a dead replica's lanes");
+    tracing::info!(%instance, lanes = moved, elapsed_ms = started.elapsed().as_millis() as u64, "took over a dead replica's lanes");
     // A request of the dead replica's can be chosen, and pin its lane, until it expires.
     let last = ctx.topology.lane_pull_expiry() + SWEEP_MARGIN;
     for wait in [SWEEP_MARGIN, last] {
@@ -156,7 +148,7 @@ const SWEEP_MARGIN: Duration = Duration::from_secs(1);
 
 /// Unpins every lane in the [`stranded`] state whose pin no replica recorded.
 async fn sweep(ctx: &Ctx, stream: &async_nats::jetstream::stream::Stream<()>, instance: &str) {
-    let infos = match lane_infos(&ctx.js).await {
+    let infos = match lane_infos(stream).await {
         Ok(i) => i,
         Err(e) => {
             tracing::warn!(%instance, error = %e, "sweep for stranded lanes: list the lane consumers");
@@ -254,50 +246,15 @@ async fn take_lane(
     true
 }
 
-/// One page of `CONSUMER.LIST` (the server's page is 256 consumers).
-#[derive(serde::Deserialize)]
-struct Page {
-    total: usize,
-    #[serde(default)]
-    consumers: Vec<Info>,
-}
-
-/// Pages of the consumer list fetched at once after the first (each is a request the server
-/// answers with 256 consumers' states).
-const PAGES_AT_ONCE: usize = 8;
-
-/// The state of every consumer on the lane stream, by name: the first page says how many
-/// there are, the rest are fetched side by side.
+/// The state of every consumer on the lane stream, by name.
 async fn lane_infos(
-    js: &async_nats::jetstream::Context,
+    stream: &async_nats::jetstream::stream::Stream<()>,
 ) -> Result<HashMap<String, Info>, async_nats::Error> {
-    let subject = subjects::lane_consumer_list();
-    let page = |offset: usize| {
-        let subject = subject.clone();
-        async move {
-            let page: async_nats::jetstream::response::Response<Page> = js
-                .request(subject, &serde_json::json!({ "offset": offset }))
-                .await?;
-            match page {
-                async_nats::jetstream::response::Response::Ok(p) => Ok(p),
-                async_nats::jetstream::response::Response::Err { error } => {
-                    Err(async_nats::Error::from(error))
-                }
-            }
-        }
-    };
-    let first = page(0).await?;
-    let step = first.consumers.len().max(1);
-    let total = first.total;
-    let mut out: HashMap<String, Info> = first
-        .consumers
-        .into_iter()
-        .map(|i| (i.name.clone(), i))
-        .collect();
-    let mut rest = futures::stream::iter((step..total).step_by(step).map(page))
-        .buffer_unordered(PAGES_AT_ONCE);
-    while let Some(p) = rest.next().await {
-        out.extend(p?.consumers.into_iter().map(|i| (i.name.clone(), i)));
+    let mut out = HashMap::new();
+    let mut list = stream.consumers();
+    while let Some(info) = list.next().await {
+        let info = info?;
+        out.insert(info.name.clone(), info);
     }
     Ok(out)
 }

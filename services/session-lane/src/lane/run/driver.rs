@@ -39,8 +39,6 @@ pub(super) enum DriveError {
     Dispatch(async_nats::Error),
     #[error("run record disappeared")]
     Gone,
-    #[error(transparent)]
-    Fenced(#[from] crate::ctx::Fenced),
 }
 
 /// How a run ended.
@@ -295,7 +293,6 @@ impl Driver<'_> {
     }
 
     async fn update(&mut self, f: impl Fn(&mut RunRecord)) -> Result<(), DriveError> {
-        self.ctx.lease.hold().await?;
         let next = self
             .ctx
             .buckets

@@ -99,10 +99,8 @@ impl Driver<'_> {
                 _ = recheck.wait() => {}
                 _ = tokio::time::sleep_until(deadline) => return Ok(Wait::Idle),
             }
-            // Keep the run item alive while it waits (under the lease only).
-            if self.ctx.lease.held() {
-                let _ = self.msg.ack_with(AckKind::Progress).await;
-            }
+            // Keep the run item alive while it waits.
+            let _ = self.msg.ack_with(AckKind::Progress).await;
         }
     }
     /// Takes pending completions for the session, waiting (bounded) until every execution the
@@ -132,10 +130,8 @@ impl Driver<'_> {
             // What this wait holds already stays this run's while it waits for the rest (the
             // wait may outlast the completions' ack wait; a copy handed out again meanwhile
             // is refused by `handoff` all the same).
-            if self.ctx.lease.held() {
-                for h in &held {
-                    let _ = h.ack_with(AckKind::Progress).await;
-                }
+            for h in &held {
+                let _ = h.ack_with(AckKind::Progress).await;
             }
         }
     }
