@@ -268,6 +268,11 @@ for line in sys.stdin:
   [ -n "$served" ] || sleep 1
 done
 echo "test-compose: another replica took the killed replica's lanes over ${served:-?} ms after the kill"
+# How it knew: the server said the killed replica's connection was gone (the fast path), or
+# the replica was silent past its timeout.
+for c in $(compose ps -q session-lane); do docker logs "$c" 2>&1; done \
+  | grep "claimed a dead replica instance=$serving-" | head -1 \
+  | sed 's/^/test-compose: survivor: /' || true
 if [ -z "$served" ] || [ "$served" -gt 10000 ]; then
   echo "test-compose: no take-over within 10 s (pin TTL 30 s)" >&2
   exit 1

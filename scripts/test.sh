@@ -27,7 +27,7 @@ cargo test --workspace --lib --bins
 SEED=1 ROUNDS=20000 scripts/fuzz.sh
 # The fault campaign (docs/reliability.md): a fixed seed, a few minutes of overlapping faults
 # on every service, checked from the history it leaves; exits non-zero on any violation.
-target/debug/turnstile-bench chaos --seed "${CHAOS_SEED:-1}" --minutes "${CHAOS_MINUTES:-5}" \
+target/debug/turnstile-bench chaos --seed "${CHAOS_SEED:-1}" --minutes "${CHAOS_MINUTES:-10}" \
   --out target/chaos.json --png target/chaos.png > /dev/null
 cargo test -p turnstile-tests --test integration -- --test-threads "${TEST_THREADS:-2}"
 # The compose deployment on images built here from the binaries above (skips, saying why,

@@ -244,13 +244,13 @@ async fn sample(
         }
         wait_idle(&client, &session).await?;
     }
-    let mut out = crate::summary(samples);
-    out["to_running"] = crate::summary(running_us);
-    out["floor_beside"] = crate::summary(floor_us);
+    let mut out = crate::stats::summary(samples);
+    out["to_running"] = crate::stats::summary(running_us);
+    out["floor_beside"] = crate::stats::summary(floor_us);
     out["stages_p50_us"] = serde_json::json!({
-        "report_to_recorded_end": crate::summary(ended_us)["p50_us"],
-        "recorded_end_to_delivery_item": crate::summary(routed_us)["p50_us"],
-        "delivery_item_to_dispatch": crate::summary(lane_us)["p50_us"],
+        "report_to_recorded_end": crate::stats::summary(ended_us)["p50_us"],
+        "recorded_end_to_delivery_item": crate::stats::summary(routed_us)["p50_us"],
+        "delivery_item_to_dispatch": crate::stats::summary(lane_us)["p50_us"],
     });
     Ok(out)
 }

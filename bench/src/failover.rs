@@ -63,23 +63,10 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
         }
     }
     transport.stop().await;
-    // The survivor's own account: how many lanes it moved and how long that took.
-    let took_over = b
-        .log_tail(200)
-        .lines()
-        .rev()
-        .find(|l| l.contains("took over a dead replica's lanes"))
-        .map(|l| {
-            let field = |name: &str| {
-                l.split_whitespace()
-                    .find_map(|w| w.strip_prefix(name))
-                    .and_then(|v| v.parse::<u64>().ok())
-            };
-            serde_json::json!({ "lanes": field("lanes="), "elapsed_ms": field("elapsed_ms=") })
-        });
+    let survivor = survivor_account(&b.log_tail(400), killed_at);
     drop(b);
     served.sort_by(f64::total_cmp);
-    let ms = |p: f64| (crate::percentile(&served, p) / 100.0).round() / 10.0;
+    let ms = |p: f64| (crate::stats::percentile(&served, p) / 100.0).round() / 10.0;
     Ok(serde_json::json!({
         "sessions": sessions,
         "replicas": d.replicas,
@@ -90,6 +77,71 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
             "p99": ms(99.0),
             "max": ms(100.0),
         },
-        "takeover": took_over,
+        "survivor": survivor,
     }))
+}
+
+/// The survivor's own account of a fail-over, from its log: when it claimed the dead replica
+/// after the kill (detection) and on what evidence, then how many lanes it moved and how long
+/// that took (take-over). Each log line starts with its RFC 3339 time.
+pub fn survivor_account(log: &str, killed_at: chrono::DateTime<Utc>) -> serde_json::Value {
+    let field = |line: &str, name: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .map(|v| v.trim_matches('"').to_string())
+    };
+    let claimed = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("claimed a dead replica"));
+    let detected_ms = claimed.and_then(|l| {
+        let at = l.split_whitespace().next()?;
+        let at = chrono::DateTime::parse_from_rfc3339(at).ok()?;
+        Some((at.with_timezone(&Utc) - killed_at).num_milliseconds())
+    });
+    let evidence = claimed.and_then(|l| {
+        let (_, rest) = l.split_once("evidence=")?;
+        Some(if rest.starts_with("\"its connection is gone") {
+            "gone from the server"
+        } else {
+            "silent"
+        })
+    });
+    let took_over = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("took over a dead replica's lanes"));
+    let num = |name: &str| {
+        took_over
+            .and_then(|l| field(l, name))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    serde_json::json!({
+        "detected_after_kill_ms": detected_ms,
+        "evidence": evidence,
+        "lanes_moved": num("lanes="),
+        "takeover_ms": num("elapsed_ms="),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_survivor_account_reads_detection_and_take_over_off_its_log() {
+        let killed_at = chrono::DateTime::parse_from_rfc3339("2026-12-05T06:00:00.000000Z")
+            .map(|t| t.with_timezone(&Utc))
+            .expect("a time");
+        let log = "2026-12-05T05:59:59.000000Z  INFO turnstile_session_lane: session-lane running\n\
+            2026-12-05T06:00:00.412000Z  INFO turnstile_session_lane::liveness::takeover: claimed a dead replica instance=a-1 evidence=\"its connection is gone from the server\" silent_ms=405\n\
+            2026-12-05T06:00:00.700000Z  INFO turnstile_session_lane::liveness::takeover: took over a dead replica's lanes instance=a-1 lanes=1000 elapsed_ms=288\n";
+        let a = survivor_account(log, killed_at);
+        assert_eq!(a["detected_after_kill_ms"], 412);
+        assert_eq!(a["evidence"], "gone from the server");
+        assert_eq!(a["lanes_moved"], 1000);
+        assert_eq!(a["takeover_ms"], 288);
+        let none = survivor_account("nothing\n", killed_at);
+        assert!(none["detected_after_kill_ms"].is_null());
+    }
 }

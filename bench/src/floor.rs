@@ -28,7 +28,7 @@ pub async fn measure_after_idle(d: &Deployment, n: usize) -> Result<serde_json::
 async fn measure_spaced(d: &Deployment, n: usize, pause: Duration) -> Result<serde_json::Value> {
     let mut floor = Floor::open(&d.floor, d.replicas).await?;
     floor.block(100, pause).await?;
-    Ok(crate::summary(floor.block(n, pause).await?))
+    Ok(crate::stats::summary(floor.block(n, pause).await?))
 }
 
 /// A floor client of its own (connection, stream, durable pull consumer) that measures round

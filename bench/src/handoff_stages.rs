@@ -59,9 +59,9 @@ pub async fn measure(
     }
     Ok(serde_json::json!({
         "hand_offs": to_event.len(),
-        "end_to_outcome_event": crate::summary(to_event)["p50_us"],
-        "outcome_event_to_next_started": crate::summary(to_next)["p50_us"],
-        "next_started_to_typed": crate::summary(to_typed)["p50_us"],
+        "end_to_outcome_event": crate::stats::summary(to_event)["p50_us"],
+        "outcome_event_to_next_started": crate::stats::summary(to_next)["p50_us"],
+        "next_started_to_typed": crate::stats::summary(to_typed)["p50_us"],
     }))
 }
 

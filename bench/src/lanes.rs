@@ -66,9 +66,9 @@ pub async fn measure(
     transport.stop().await;
     lane.stop().await;
     Ok(LaneFigures {
-        handoff: crate::summary(handoff),
+        handoff: crate::stats::summary(handoff),
         handoff_stages,
-        floor_beside: crate::summary(floor_us),
+        floor_beside: crate::stats::summary(floor_us),
         throughput: serde_json::json!({
             "sessions": sessions,
             "turns": all.len(),

@@ -2,12 +2,14 @@
 //! JetStream floor in the same run on the same nats-server. Prints one JSON object.
 //! `turnstile-bench failover`: how long a SIGKILLed session-lane replica's sessions wait until
 //! the survivor serves them (`failover.rs`). `turnstile-bench chaos`: a seeded fault campaign
-//! checked from the history it leaves (`chaos/`).
+//! checked from the history it leaves (`chaos/`). `turnstile-bench history`: checks the run
+//! history (`docs/bench-history.jsonl`) against its schema and draws it as a PNG (`history.rs`).
 //!
 //! Layout: `floor` (publish, PubAck, durable pull, double ack: the raw JetStream floor),
 //! `inproc` (the services started in this process, with the instant agent), `lanes` (hand-off
 //! latency and throughput over the lanes), `completions` (a step's report to the delivery
-//! turn's dispatch). `main` runs them in that order and prints the figures with their ratios.
+//! turn's dispatch). `main` runs them in that order and prints the figures with their ratios
+//! (`stats`: percentiles and summaries, which every benchmark's file uses).
 
 mod chaos;
 mod cluster;
@@ -16,6 +18,7 @@ mod deployment;
 mod failover;
 mod floor;
 mod handoff_stages;
+mod history;
 mod inproc;
 mod lanes;
 mod plot;
@@ -23,35 +26,11 @@ mod procs;
 mod scale;
 mod schedules;
 mod soak;
+mod stats;
 
 use anyhow::{bail, Result};
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
-}
-
-/// p50/p99/mean of microsecond samples.
-fn summary(mut samples: Vec<f64>) -> serde_json::Value {
-    samples.sort_by(f64::total_cmp);
-    let mean = samples.iter().sum::<f64>() / samples.len().max(1) as f64;
-    serde_json::json!({
-        "samples": samples.len(),
-        "p50_us": percentile(&samples, 50.0).round(),
-        "p99_us": percentile(&samples, 99.0).round(),
-        "mean_us": mean.round(),
-    })
-}
-
-/// `v[p]` over `base[p]` (two summaries' same percentile), to two decimals.
-fn over(v: &serde_json::Value, base: &serde_json::Value, p: &str) -> f64 {
-    let a = v[p].as_f64().unwrap_or(f64::NAN);
-    let b = base[p].as_f64().unwrap_or(f64::NAN);
-    ((a / b) * 100.0).round() / 100.0
-}
+use stats::over;
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> Result<()> {
@@ -60,6 +39,10 @@ async fn main() -> Result<()> {
     if args.first().map(String::as_str) == Some("chaos") {
         turnstile_shared::telemetry::init_with_default("warn");
         return chaos::run(&args[1..]).await;
+    }
+    // `history`: the run history file, checked and drawn (no server).
+    if args.first().map(String::as_str) == Some("history") {
+        return history::run(&args[1..]);
     }
     // `--auth`: on a deployment's accounts (every service on its own user, the callout on).
     let accounts = args.iter().any(|a| a == "--auth");
@@ -125,7 +108,7 @@ async fn main() -> Result<()> {
             return failover_bench(accounts, cluster, num(1, 1000)).await;
         }
         _ => bail!(
-            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench floor [--auth | --replicas 3 [--sync always|default]] [ROUND_TRIPS=2000]\n       turnstile-bench failover [--auth | --replicas 3 [--sync always|default]] [SESSIONS=1000]\n       turnstile-bench schedules [SCHEDULES=1000]\n       turnstile-bench scale [SESSIONS=10000]\n       turnstile-bench soak [--minutes 20] [--retention 2m] [--png soak.png]"
+            "usage: turnstile-bench lanes [--auth | --replicas 3 [--sync always|default]] [TURNS_ONE_SESSION=1000] [SESSIONS=100] [TURNS_EACH=20] [COMPLETIONS=200]\n       turnstile-bench floor [--auth | --replicas 3 [--sync always|default]] [ROUND_TRIPS=2000]\n       turnstile-bench failover [--auth | --replicas 3 [--sync always|default]] [SESSIONS=1000]\n       turnstile-bench schedules [SCHEDULES=1000]\n       turnstile-bench scale [SESSIONS=10000]\n       turnstile-bench soak [--minutes 20] [--retention 2m] [--png soak.png]\n       turnstile-bench history [--in docs/bench-history.jsonl] [--png bench-history.png]"
         ),
     }
     turnstile_shared::telemetry::init_with_default("warn");

@@ -1,59 +1,15 @@
-//! The soak's PNG: resident memory of each process (MB) and the store's size (MB) over time,
-//! with the end of the first retention window (record retention plus tree margin) marked.
+//! Line charts in PNGs, for the soak (`soak.rs` draws its memory and store over time), the
+//! chaos campaign's timeline and the benchmark history (`history.rs`): one panel of series
+//! against seconds (or another x axis), with a marked instant.
 //! Labels use DejaVu Sans when the system has it (Debian's fonts-dejavu-core); without it the
 //! lines are drawn unlabelled.
 
-use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{anyhow, Result};
 use plotters::prelude::*;
 
-use crate::soak::Sample;
-
 const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
-
-pub fn draw(path: &Path, samples: &[Sample], window: Duration) -> Result<()> {
-    let labels = register_font();
-    let root = BitMapBackend::new(path, (1200, 800)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
-    let (top, bottom) = root.split_vertically(400);
-    let end = samples.last().map_or(1.0, |s| s.at_s).max(1.0);
-    let names: Vec<&str> = samples
-        .first()
-        .map(|s| s.rss_kb.iter().map(|(n, _)| *n).collect())
-        .unwrap_or_default();
-    let mut series: Vec<(String, Vec<(f64, f64)>)> = names
-        .iter()
-        .enumerate()
-        .map(|(i, n)| {
-            let points = samples
-                .iter()
-                .map(|s| (s.at_s, s.rss_kb.get(i).map_or(0.0, |r| r.1 as f64 / 1024.0)))
-                .collect();
-            (format!("{n} RSS MB"), points)
-        })
-        .collect();
-    panel(
-        &top,
-        "resident memory (MB)",
-        &mut series,
-        end,
-        Some(window),
-        labels,
-    )?;
-    let mut store = vec![(
-        "store MB".to_string(),
-        samples
-            .iter()
-            .map(|s| (s.at_s, s.store_bytes as f64 / 1e6))
-            .collect(),
-    )];
-    panel(&bottom, "store (MB)", &mut store, end, Some(window), labels)?;
-    root.present()
-        .map_err(|e| anyhow!("write {}: {e}", path.display()))?;
-    Ok(())
-}
 
 /// One chart of line series against seconds, with a legend; `window`, when given and within
 /// the chart, is marked by a vertical line. Shared with the chaos campaign's timeline.
@@ -63,6 +19,20 @@ pub(crate) fn panel(
     series: &mut [(String, Vec<(f64, f64)>)],
     end: f64,
     window: Option<Duration>,
+    labels: bool,
+) -> Result<()> {
+    let window = window.map(|w| w.as_secs_f64());
+    panel_over(area, title, "seconds", series, end, window, labels)
+}
+
+/// [`panel`] with its x axis described by `x_desc` and the marked instant in x units.
+pub(crate) fn panel_over(
+    area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
+    title: &str,
+    x_desc: &str,
+    series: &mut [(String, Vec<(f64, f64)>)],
+    end: f64,
+    window: Option<f64>,
     labels: bool,
 ) -> Result<()> {
     let top = series
@@ -83,12 +53,12 @@ pub(crate) fn panel(
         .map_err(|e| anyhow!("{e}"))?;
     let mut mesh = chart.configure_mesh();
     if labels {
-        mesh.x_desc("seconds").label_style(("sans-serif", 14));
+        mesh.x_desc(x_desc).label_style(("sans-serif", 14));
     } else {
         mesh.x_labels(0).y_labels(0);
     }
     mesh.draw().map_err(|e| anyhow!("{e}"))?;
-    if let Some(window) = window.map(|w| w.as_secs_f64()).filter(|w| *w < end) {
+    if let Some(window) = window.filter(|w| *w < end) {
         chart
             .draw_series(LineSeries::new(
                 [(window, 0.0), (window, top)],

@@ -146,6 +146,7 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
         }
     }
     served.sort_by(f64::total_cmp);
+    let survivor = crate::failover::survivor_account(&lane_b.log_tail(400), killed_at);
     drop((lane_b, services));
     Ok(serde_json::json!({
         "sessions": sessions,
@@ -164,10 +165,11 @@ pub async fn measure(d: &Deployment, sessions: usize) -> Result<serde_json::Valu
         "handoff_among_idle": among_idle,
         "handoff_without_idle": without_idle,
         "failover_all_served_after_kill_ms": {
-            "p50": crate::percentile(&served, 50.0),
-            "p99": crate::percentile(&served, 99.0),
+            "p50": crate::stats::percentile(&served, 50.0),
+            "p99": crate::stats::percentile(&served, 99.0),
             "max": served.last().copied().unwrap_or(f64::NAN),
         },
+        "failover_survivor": survivor,
     }))
 }
 
@@ -182,14 +184,14 @@ async fn busy_handoffs(
     let turns = queue(js, busy, BUSY_TURNS).await?;
     wait_all(js, &turns).await?;
     let per_sec = turns.len() as f64 / started.elapsed().as_secs_f64();
-    let all = crate::summary(handoffs_per_session(&records(js, &turns).await?));
+    let all = crate::stats::summary(handoffs_per_session(&records(js, &turns).await?));
     let turns = queue(js, &busy[..1], ALONE_TURNS).await?;
     wait_all(js, &turns).await?;
-    let alone = crate::summary(handoffs_per_session(&records(js, &turns).await?));
+    let alone = crate::stats::summary(handoffs_per_session(&records(js, &turns).await?));
     let over = |v: &serde_json::Value| {
         serde_json::json!({
-            "p50": crate::over(v, floor, "p50_us"),
-            "p99": crate::over(v, floor, "p99_us"),
+            "p50": crate::stats::over(v, floor, "p50_us"),
+            "p99": crate::stats::over(v, floor, "p99_us"),
         })
     };
     Ok(serde_json::json!({

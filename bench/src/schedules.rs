@@ -227,9 +227,9 @@ fn judge(
         "a_skip": example,
         "missed": missed,
         "runs_done": done,
-        "fire_drift": crate::summary(drift),
+        "fire_drift": crate::stats::summary(drift),
         "fire_drift_max_us": max.last().copied().unwrap_or(f64::NAN).round(),
-        "run_queued_drift": crate::summary(queued),
+        "run_queued_drift": crate::stats::summary(queued),
     })
 }
 
@@ -254,5 +254,5 @@ async fn claims(slots: &turnstile_shared::kv::Bucket) -> Result<serde_json::Valu
         }
         samples.push(t0.elapsed().as_secs_f64() * 1e6);
     }
-    Ok(crate::summary(samples))
+    Ok(crate::stats::summary(samples))
 }

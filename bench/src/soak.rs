@@ -7,12 +7,14 @@
 //! (`plot`). With state bounded, memory and store size stop growing once the first retention
 //! window has passed.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{anyhow, Context, Result};
 use futures::StreamExt;
+use plotters::prelude::{BitMapBackend, IntoDrawingArea, WHITE};
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::api::{self, ErrorCode, SendTurn};
 use turnstile_shared::envelope::Envelope;
@@ -115,7 +117,7 @@ pub async fn measure(
     drop(services);
     // The first full window: the longest any finished record is kept.
     let window = topology.record_retention + topology.tree_margin;
-    crate::plot::draw(png, &samples, window)?;
+    draw(png, &samples, window)?;
     Ok(serde_json::json!({
         "sessions": SESSIONS,
         "schedules": SCHEDULES,
@@ -330,4 +332,48 @@ async fn work_steps(
         let _ = msg.double_ack().await;
         done.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// The soak's PNG: resident memory of each process (MB) and the store's size (MB) over time,
+/// with the end of the first retention window (record retention plus tree margin) marked.
+fn draw(path: &Path, samples: &[Sample], window: Duration) -> Result<()> {
+    let labels = crate::plot::register_font();
+    let root = BitMapBackend::new(path, (1200, 800)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let (top, bottom) = root.split_vertically(400);
+    let end = samples.last().map_or(1.0, |s| s.at_s).max(1.0);
+    let names: Vec<&str> = samples
+        .first()
+        .map(|s| s.rss_kb.iter().map(|(n, _)| *n).collect())
+        .unwrap_or_default();
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let points = samples
+                .iter()
+                .map(|s| (s.at_s, s.rss_kb.get(i).map_or(0.0, |r| r.1 as f64 / 1024.0)))
+                .collect();
+            (format!("{n} RSS MB"), points)
+        })
+        .collect();
+    crate::plot::panel(
+        &top,
+        "resident memory (MB)",
+        &mut series,
+        end,
+        Some(window),
+        labels,
+    )?;
+    let mut store = vec![(
+        "store MB".to_string(),
+        samples
+            .iter()
+            .map(|s| (s.at_s, s.store_bytes as f64 / 1e6))
+            .collect(),
+    )];
+    crate::plot::panel(&bottom, "store (MB)", &mut store, end, Some(window), labels)?;
+    root.present()
+        .map_err(|e| anyhow!("write {}: {e}", path.display()))?;
+    Ok(())
 }

@@ -172,6 +172,15 @@ impl ApiError {
     pub fn internal(error: impl std::fmt::Display) -> Self {
         Self::new(ErrorCode::Internal, error.to_string())
     }
+    /// A call to the server that failed (a stream read, a purge), by its kind: `unavailable`
+    /// when another try may succeed (`js_codes::failure_kind`), `internal` otherwise.
+    pub fn failure(error: impl std::error::Error + 'static) -> Self {
+        Self::new(failure_code(&error), error.to_string())
+    }
+    /// [`ApiError::failure`] for an untyped `async_nats::Error`.
+    pub fn failure_boxed(error: async_nats::Error) -> Self {
+        Self::new(failure_code(&*error), error.to_string())
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -219,6 +228,42 @@ impl From<crate::kv::KvError> for ApiError {
             }
             other => ApiError::internal(other),
         }
+    }
+}
+
+/// The code of a failure met on the way to the server, by its kind
+/// (`js_codes::failure_kind`): `unavailable` when another try may succeed, else `internal`.
+fn failure_code(e: &(dyn std::error::Error + 'static)) -> ErrorCode {
+    match crate::js_codes::failure_kind(e) {
+        crate::js_codes::FailureKind::Unavailable => ErrorCode::Unavailable,
+        crate::js_codes::FailureKind::Internal => ErrorCode::Internal,
+    }
+}
+
+/// A publish that failed: by its kind (a stream without a leader is `unavailable`); an
+/// envelope this build cannot write is `internal`. The message keeps the context.
+impl From<crate::events::PublishError> for ApiError {
+    fn from(e: crate::events::PublishError) -> Self {
+        let code = match &e {
+            crate::events::PublishError::Nats { source, .. } => failure_code(&**source),
+            crate::events::PublishError::Envelope(_) => ErrorCode::Internal,
+        };
+        ApiError::new(code, e.to_string())
+    }
+}
+
+/// Provisioning a stream, bucket or consumer that failed, by its kind.
+impl From<crate::topology::TopologyError> for ApiError {
+    fn from(e: crate::topology::TopologyError) -> Self {
+        use crate::topology::TopologyError as T;
+        let code = match &e {
+            T::Stream { source, .. }
+            | T::Bucket { source, .. }
+            | T::Bind { source, .. }
+            | T::Consumer { source, .. } => failure_code(&**source),
+            T::LaneMigration(_) => ErrorCode::Internal,
+        };
+        ApiError::new(code, e.to_string())
     }
 }
 

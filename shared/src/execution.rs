@@ -232,8 +232,22 @@ pub struct ExecutionRecord {
     /// Direct children, in start order (an index; each child also names its parent).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<ExecutionId>,
+    /// The turns that handed its completion back, one per target session (R3, R14): written
+    /// by the session's lane once such a turn completed and before its completion is removed,
+    /// so a copy that comes back (a removal the store lost, an end routed again) is dropped
+    /// by whichever replica meets it, not typed a second time.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub handed_over: Vec<HandedOver>,
     #[serde(flatten)]
     pub status: ExecStatus,
+}
+
+/// A completed turn that carried an execution's completion to one of its target sessions.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandedOver {
+    pub session: SessionId,
+    pub turn: crate::ids::TurnId,
+    pub at: DateTime<Utc>,
 }
 
 /// A background agent's session and run, derived from its step so every retry finds them.
@@ -284,6 +298,14 @@ impl ExecutionRecord {
         self.owner.as_ref() == Some(session) || self.watchers.contains(session)
     }
 
+    /// The completed turn that handed this execution's completion to `session`, if one did.
+    pub fn handed_to(&self, session: &SessionId) -> Option<&crate::ids::TurnId> {
+        self.handed_over
+            .iter()
+            .find(|h| &h.session == session)
+            .map(|h| &h.turn)
+    }
+
     pub fn step_id(&self) -> Option<StepId> {
         self.id.as_step()
     }
@@ -323,6 +345,7 @@ mod tests {
             work: None,
             token: Some("secret".into()),
             children: vec![],
+            handed_over: Vec::new(),
             status: ExecStatus::Queued,
         };
         assert_eq!(rec.targets(), vec![launcher.clone()]);
@@ -380,6 +403,7 @@ mod tests {
                 work: None,
                 token: None,
                 children: vec![],
+                handed_over: Vec::new(),
                 status,
             };
             let stored = serde_json::to_vec(&rec).expect("json");

@@ -61,6 +61,60 @@ pub fn is_duplicate_in_process(err: &(dyn StdError + 'static)) -> bool {
     code_of(err) == Some(DUPLICATE_IN_PROCESS)
 }
 
+/// JetStream is not available in the cluster right now (no meta leader, a node catching up).
+pub const CLUSTER_NOT_AVAILABLE: u64 = 10008;
+/// The server is short of resources for the request (a store disk full, limits reached).
+pub const INSUFFICIENT_RESOURCES: u64 = 10023;
+
+/// What a caller decides on when a call to the server or the store fails, read from the
+/// error's kinds and codes, never from its text (the `Error<Kind>` shape of async-nats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The server, the stream or its leader did not answer, or said it cannot now: a node
+    /// cut off or restarting, a leader being elected, a stream whose subjects a rejoined node
+    /// does not map yet, a full disk. Another try may succeed: callers are told
+    /// `unavailable`, and retry.
+    Unavailable,
+    /// Anything else: a refusal another try would meet again, or this build's own fault.
+    Internal,
+}
+
+/// The kind of the first failure in `err`'s source chain that says one.
+pub fn failure_kind(err: &(dyn StdError + 'static)) -> FailureKind {
+    use async_nats::jetstream::context::PublishErrorKind as Publish;
+    use async_nats::RequestErrorKind as Request;
+    let mut current: Option<&(dyn StdError + 'static)> = Some(err);
+    while let Some(e) = current {
+        if let Some(p) = e.downcast_ref::<async_nats::jetstream::context::PublishError>() {
+            match p.kind() {
+                Publish::StreamNotFound | Publish::TimedOut | Publish::BrokenPipe => {
+                    return FailureKind::Unavailable
+                }
+                Publish::Other => {}
+                _ => return FailureKind::Internal,
+            }
+        }
+        if let Some(r) = e.downcast_ref::<async_nats::RequestError>() {
+            if matches!(r.kind(), Request::TimedOut | Request::NoResponders) {
+                return FailureKind::Unavailable;
+            }
+        }
+        if let Some(js) = e.downcast_ref::<async_nats::jetstream::Error>() {
+            return match js.error_code().0 {
+                STREAM_NOT_FOUND | CLUSTER_NOT_AVAILABLE | INSUFFICIENT_RESOURCES => {
+                    FailureKind::Unavailable
+                }
+                _ => FailureKind::Internal,
+            };
+        }
+        if e.downcast_ref::<std::io::Error>().is_some() {
+            return FailureKind::Unavailable;
+        }
+        current = e.source();
+    }
+    FailureKind::Internal
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,5 +138,39 @@ mod tests {
         assert!(is_duplicate_in_process(&js_error(DUPLICATE_IN_PROCESS)));
         let io = std::io::Error::other("no code here");
         assert_eq!(code_of(&io), None);
+    }
+
+    /// A publish no stream answered (a cluster electing a leader, a rejoined node), a reply
+    /// that did not come, a JetStream that says it cannot now: `unavailable`, worth another
+    /// try. A refusal that would come again, or an error that says nothing: `internal`.
+    #[test]
+    fn failures_are_told_apart_by_kind_and_code_not_text() {
+        use async_nats::jetstream::context::{PublishError, PublishErrorKind as P};
+        use FailureKind::{Internal, Unavailable};
+        let publish = |kind| Box::new(PublishError::new(kind)) as Box<dyn StdError>;
+        let with_code = |code| {
+            Box::new(PublishError::with_source(P::Other, js_error(code))) as Box<dyn StdError>
+        };
+        let cases: Vec<(Box<dyn StdError>, FailureKind)> = vec![
+            (publish(P::StreamNotFound), Unavailable),
+            (publish(P::TimedOut), Unavailable),
+            (publish(P::MaxPayloadExceeded), Internal),
+            (publish(P::WrongLastSequence), Internal),
+            (with_code(CLUSTER_NOT_AVAILABLE), Unavailable),
+            (with_code(10052), Internal),
+            (
+                Box::new(async_nats::RequestError::new(
+                    async_nats::RequestErrorKind::NoResponders,
+                )),
+                Unavailable,
+            ),
+            // Text that reads like a transient failure decides nothing.
+            ("no stream found for given subject".into(), Internal),
+        ];
+        for (err, kind) in cases {
+            assert_eq!(failure_kind(&*err), kind, "{err}");
+        }
+        let io = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert_eq!(failure_kind(&io), FailureKind::Unavailable);
     }
 }

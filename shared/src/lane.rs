@@ -15,7 +15,7 @@ use crate::delivery::DeliveryItem;
 use crate::envelope::{Envelope, EnvelopeError};
 use crate::ids::{SessionId, TurnId};
 use crate::kv::{Bucket, KvError};
-use crate::records::{KnownTurn, TurnRecord, TurnState};
+use crate::records::{KnownTurn, TurnRecord};
 use crate::runs::{RunItem, RunRecord};
 
 /// Lane item types (the envelope's `type`).
@@ -62,13 +62,8 @@ impl TurnItem {
         self.recorded.as_ref().map(|r| KnownTurn {
             revision: r.revision,
             record: TurnRecord {
-                id: self.turn.clone(),
-                session: session.clone(),
-                text: self.text.clone(),
                 queued_at: r.queued_at,
-                delivery: None,
-                parent: None,
-                state: TurnState::Queued,
+                ..TurnRecord::queued(self.turn.clone(), session.clone(), self.text.clone())
             },
         })
     }
@@ -197,15 +192,7 @@ mod tests {
     #[test]
     fn a_turn_item_of_a_record_gives_that_record_back() {
         let s = SessionId::new();
-        let record = TurnRecord {
-            id: TurnId::new(),
-            session: s.clone(),
-            text: "hello".into(),
-            queued_at: chrono::Utc::now(),
-            delivery: None,
-            parent: None,
-            state: TurnState::Queued,
-        };
+        let record = TurnRecord::queued(TurnId::new(), s.clone(), "hello".into());
         let item = LaneItem::Turn(TurnItem::of_record(&record, 7));
         let bytes = item.to_envelope(&s).expect("env").encode().expect("bytes");
         let LaneItem::Turn(back) = LaneItem::decode(&bytes, &s).expect("decode") else {

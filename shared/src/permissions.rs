@@ -222,6 +222,8 @@ impl Role {
                     subjects::DEADLETTER_ALL.into(),
                     op_exec,
                     "ts.control.run.>".into(),
+                    // Peers ping each other: no responders means a peer's connection is gone.
+                    subjects::REPLICA_PING_ALL.into(),
                 ],
                 &[
                     format!("{}.>", subj::SESSION_GROUP),
@@ -230,6 +232,7 @@ impl Role {
                     subjects::session_event("*", "step.>"),
                     "ts.control.run.>".into(),
                     "ts.control.progress.>".into(),
+                    subjects::REPLICA_PING_ALL.into(),
                 ],
             ),
             Role::Transport(host) => transport(host),

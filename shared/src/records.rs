@@ -142,6 +142,35 @@ pub struct TurnRecord {
     pub state: TurnState,
 }
 
+impl TurnRecord {
+    /// A turn queued now, typed by nobody yet: the one shape every writer of a fresh record
+    /// starts from (the API, a lane item, a delivery, a run, the transport).
+    pub fn queued(id: TurnId, session: SessionId, text: String) -> Self {
+        Self {
+            id,
+            session,
+            text,
+            queued_at: Utc::now(),
+            delivery: None,
+            parent: None,
+            state: TurnState::Queued,
+        }
+    }
+
+    /// The same, carrying completions (a delivery's or a run's hand-over turn).
+    pub fn carrying(self, delivery: Option<Carried>) -> Self {
+        Self { delivery, ..self }
+    }
+
+    /// The same, typed by a run for one of its messages (R6).
+    pub fn under(self, parent: ExecutionId) -> Self {
+        Self {
+            parent: Some(parent),
+            ..self
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Carried {
     pub delivery: DeliveryId,

@@ -15,6 +15,11 @@ pub const LEGACY_LANE_STREAM: &str = "TS_LANE";
 pub fn lane_item_delete() -> String {
     format!("$JS.API.STREAM.MSG.DELETE.{LANE_STREAM}")
 }
+/// The JetStream API request listing the lane stream's consumers with their states (paged by
+/// `offset`).
+pub fn lane_consumer_list() -> String {
+    format!("CONSUMER.LIST.{LANE_STREAM}")
+}
 /// What the legacy lane stream listens on while its items are moved: a subject nothing
 /// publishes, so the new stream may take the lane subjects.
 pub const LEGACY_LANE_RETIRED: &str = "ts.retired.lane.>";
@@ -165,6 +170,16 @@ pub fn replica_pins_of(session: &SessionId) -> String {
 
 /// Every liveness key (a KV key filter).
 pub const REPLICA_LIVE_ALL: &str = "live.*";
+
+/// Where a session-lane replica instance answers its peers' liveness pings (core NATS): while
+/// its connection lives the server has a subscriber here; once it is gone, a ping gets *no
+/// responders* at once.
+pub fn replica_ping(instance: &str) -> String {
+    format!("ts.replica.{}.ping", replica_token(instance))
+}
+
+/// Every replica's ping subject (for permissions).
+pub const REPLICA_PING_ALL: &str = "ts.replica.*.ping";
 
 /// Commands for one host's transport agent, `verb` being `start`, `turn` or `stop`.
 pub fn transport(host: &HostName, verb: &str) -> String {

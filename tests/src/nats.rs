@@ -228,6 +228,23 @@ impl NatsServer {
         Ok(())
     }
 
+    /// Stops the server as an operator's service manager does (SIGTERM: it closes its
+    /// connections and writes its stores' state), waits (≤ `grace`, then SIGKILL) for it to
+    /// exit, and starts it again on the same port and store (≤ 10 s until JetStream answers).
+    pub async fn restart_graceful(&mut self, grace: Duration) -> anyhow::Result<()> {
+        if let Some(child) = self.child.as_mut() {
+            if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
+                if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+                }
+            }
+            if tokio::time::timeout(grace, child.wait()).await.is_err() {
+                tracing::warn!(?grace, "nats-server did not stop on SIGTERM; killing it");
+            }
+        }
+        self.restart().await
+    }
+
     /// Starts the server again on the same port and store directory (killing it first if it
     /// still runs) and waits (≤ 10 s) until JetStream answers. Retries while the old port is
     /// still held.

@@ -76,6 +76,36 @@ impl SmallDisk {
     }
 }
 
+/// The prefix of a campaign's directory, naming its pid: `ts-chaos-<pid>-`.
+pub fn dir_prefix(pid: u32) -> String {
+    format!("ts-chaos-{pid}-")
+}
+
+/// Unmounts the store disks of campaigns no longer running (one SIGKILLed leaves them
+/// mounted); returns the mount points it unmounted.
+pub fn sweep_orphans() -> Vec<String> {
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    let mut removed = Vec::new();
+    for point in mounts.lines().filter_map(|l| l.split_whitespace().nth(1)) {
+        let Some(pid) = point
+            .split('/')
+            .find_map(|part| part.strip_prefix("ts-chaos-"))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if super::net::running(pid) {
+            continue;
+        }
+        let unmounted = Command::new("umount").arg("-l").arg(point).output();
+        if unmounted.is_ok_and(|o| o.status.success()) {
+            removed.push(point.to_string());
+        }
+    }
+    removed
+}
+
 impl Drop for SmallDisk {
     /// Lazily unmounted: the node using it may still be exiting.
     fn drop(&mut self) {
@@ -89,6 +119,31 @@ mod tests {
 
     use super::*;
     use turnstile_tests::{NatsServer, Placement};
+
+    /// A dead campaign's store disk is unmounted by the sweep; a live one's stays.
+    #[test]
+    fn a_dead_campaigns_disk_is_unmounted_and_a_live_ones_kept() -> anyhow::Result<()> {
+        let mut child = Command::new("true").spawn()?;
+        let dead_pid = child.id();
+        child.wait()?;
+        let root = tempfile::tempdir()?;
+        let dead_dir = root.path().join(format!("{}x", dir_prefix(dead_pid)));
+        let live_dir = root
+            .path()
+            .join(format!("{}x", dir_prefix(std::process::id())));
+        let dead = SmallDisk::mount(&dead_dir.join("store-0"))?;
+        let live = SmallDisk::mount(&live_dir.join("store-0"))?;
+        let removed = sweep_orphans();
+        let mounts = std::fs::read_to_string("/proc/mounts")?;
+        let mounted = |d: &SmallDisk| mounts.contains(&*d.path().to_string_lossy());
+        assert!(!mounted(&dead), "{removed:?}");
+        assert!(mounted(&live), "the live campaign's disk kept");
+        assert!(
+            removed.contains(&dead.path().to_string_lossy().into_owned()),
+            "{removed:?}"
+        );
+        Ok(())
+    }
 
     /// A full store refuses writes, and after the space is freed and the node restarted (what
     /// the fault's lifting does) the same stream takes writes again.

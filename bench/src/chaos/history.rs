@@ -118,3 +118,16 @@ async fn values<T: serde::de::DeserializeOwned>(
     }
     Ok(out)
 }
+
+/// The turn (or delivery turn) that started `execution`: the first turn up its parents.
+pub(super) fn starting_turn(history: &History, execution: &ExecutionId) -> Option<TurnId> {
+    let mut at = history.executions.get(execution)?.parent.clone();
+    for _ in 0..64 {
+        let id = at?;
+        if let Some(turn) = id.as_turn() {
+            return Some(turn);
+        }
+        at = history.executions.get(&id)?.parent.clone();
+    }
+    None
+}

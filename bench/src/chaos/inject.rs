@@ -176,8 +176,13 @@ impl Injector {
                 net.mend(i)
             }
             FaultKind::DiskFull => {
+                // What an operator does: free the space, restart the server (gracefully: it
+                // writes its stores' state on the way down).
                 stack.disk(&fault.target)?.free()?;
-                stack.nats_node(&fault.target)?.restart().await
+                stack
+                    .nats_node(&fault.target)?
+                    .restart_graceful(Duration::from_secs(10))
+                    .await
             }
             FaultKind::KillAgent | FaultKind::KillTmux => Ok(()),
         }

@@ -124,14 +124,46 @@ pub async fn run(args: &[String]) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&plan)?);
         return Ok(());
     }
-    let stack = ChaosStack::start(args.replicas).await?;
-    let client = stack.connect().await?;
+    // Registered before anything is set up: a signal from here on tears the stack down.
+    let mut stop = Stop::register()?;
+    let stack = Arc::new(Mutex::new(ChaosStack::start(args.replicas).await?));
+    tokio::select! {
+        biased;
+        signal = stop.recv() => {
+            let mut stack = stack.lock().await;
+            stack.keep();
+            let dir = stack.log_dir().to_path_buf();
+            stack.teardown();
+            bail!(
+                "chaos: seed {}: stopped by {signal} before the end; every process, the \
+                 cluster's network and the store mounts are removed; logs in {}",
+                args.seed,
+                dir.display()
+            )
+        }
+        result = campaign(&args, plan, stack.clone()) => result,
+    }
+}
+
+/// The campaign on a started stack: workload and faults, then quiet, check and figures.
+async fn campaign(
+    args: &Args,
+    plan: Vec<plan::Fault>,
+    stack: Arc<Mutex<ChaosStack>>,
+) -> Result<()> {
+    let (client, trace, mock_dir, log_dir) = {
+        let stack = stack.lock().await;
+        let client = stack.connect().await?;
+        let dirs = (
+            stack.step_log(),
+            stack.mock_dir(),
+            stack.log_dir().to_path_buf(),
+        );
+        (client, dirs.0, dirs.1, dirs.2)
+    };
     let js = async_nats::jetstream::new(client.clone());
-    let trace = stack.step_log();
-    let (mock_dir, log_dir) = (stack.mock_dir(), stack.log_dir().to_path_buf());
     let sessions = workload::create(&client, &HOSTS).await?;
     let crons = workload::schedules(&client, &sessions.scheduled, &trace).await?;
-    let stack = Arc::new(Mutex::new(stack));
     let agents = agents_of(&client, &sessions).await?;
     let counts = workload::Counts::default();
     let started = Instant::now();
@@ -203,7 +235,7 @@ pub async fn run(args: &[String]) -> Result<()> {
         .map(|(s, kb)| format!("{s}: {kb} kB"))
         .collect();
     let figures = figures(
-        &args,
+        args,
         &injected,
         &violations,
         liveness.is_ok().then_some(liveness_s),
@@ -241,6 +273,31 @@ pub async fn run(args: &[String]) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// SIGTERM and SIGINT, caught so a stopped campaign removes what it set up (a bare exit
+/// would leave network namespaces, a bridge, a firewall rule and mounts behind).
+struct Stop {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Stop {
+    fn register() -> Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("catch SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("catch SIGINT")?,
+        })
+    }
+
+    /// The name of the first signal to come.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
 }
 
 /// Every message still on the completion stream, one JSON line each (subject, sequence,
@@ -342,13 +399,41 @@ async fn still_busy(
         )
         .await?;
         if view.busy || view.queued > 0 || view.pending > 0 {
+            let consumer = completion_state(js, &s.id).await;
             return Ok(Some(format!(
-                "session {} busy {} queued {} pending {}",
+                "session {} busy {} queued {} pending {} ({consumer})",
                 s.id, view.busy, view.queued, view.pending
             )));
         }
     }
     Ok(None)
+}
+
+/// Where the session's completion consumer stands, for a session left with completions: a
+/// message below its ack floor was acked but not removed by the store; one above it was never
+/// handed out.
+async fn completion_state(
+    js: &async_nats::jetstream::Context,
+    session: &turnstile_shared::SessionId,
+) -> String {
+    let name = turnstile_shared::subjects::completion_consumer(session);
+    match js
+        .get_stream_no_info(turnstile_shared::subjects::COMPLETION_STREAM)
+        .await
+    {
+        Ok(stream) => match stream.consumer_info(&name).await {
+            Ok(i) => format!(
+                "completion consumer: delivered stream seq {}, ack floor stream seq {}, \
+                 num_pending {}, num_ack_pending {}",
+                i.delivered.stream_sequence,
+                i.ack_floor.stream_sequence,
+                i.num_pending,
+                i.num_ack_pending
+            ),
+            Err(e) => format!("completion consumer {name}: {e}"),
+        },
+        Err(e) => format!("completion stream: {e}"),
+    }
 }
 
 /// Each service's resident memory (kB) now.

@@ -6,8 +6,9 @@
 //! partition faults are skipped, saying why.
 //!
 //! Names and the subnet derive from the campaign's pid, so two campaigns do not collide; what
-//! this sets up is removed on drop (a SIGKILLed campaign leaves it: `ip netns list` shows
-//! `tsc<pid>n<i>`).
+//! this sets up is removed on drop, and on SIGTERM or SIGINT (the campaign tears its stack
+//! down). A SIGKILLed campaign leaves it (`ip netns list` shows `tsc<pid>n<i>`); the next
+//! campaign removes what a campaign no longer running left ([`sweep_orphans`]).
 
 use std::process::Command;
 
@@ -26,8 +27,12 @@ pub struct Net {
 impl Net {
     /// A bridge and `n` namespaces on a /24 of their own.
     pub fn create(n: usize) -> Result<Self> {
-        let pid = std::process::id();
-        let tag = format!("tsc{}", pid % 10_000_000);
+        Self::create_for(n, std::process::id())
+    }
+
+    /// As [`Net::create`], named after `pid` (tests plant a dead campaign's network).
+    fn create_for(n: usize, pid: u32) -> Result<Self> {
+        let tag = tag(pid);
         let subnet = format!("10.{}.{}", 200 + (pid / 256) % 50, pid % 256);
         let mut net = Net {
             bridge: tag.clone(),
@@ -112,6 +117,69 @@ impl Drop for Net {
     }
 }
 
+/// The name of a campaign's bridge; its namespaces are `<tag>n<i>`, its veths `<tag>v<i>`.
+fn tag(pid: u32) -> String {
+    format!("tsc{}", pid % 10_000_000)
+}
+
+/// The campaign pid a bridge or namespace name carries (`tsc<pid>` or `tsc<pid>n<i>`).
+fn owner(name: &str) -> Option<u32> {
+    let digits: String = name
+        .strip_prefix("tsc")?
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+/// Removes the namespaces, bridges and FORWARD rules of campaigns no longer running (one
+/// SIGKILLed leaves them); returns what it removed.
+pub fn sweep_orphans() -> Vec<String> {
+    let dead = |name: &str| owner(name).is_some_and(|pid| !running(pid));
+    let mut removed = Vec::new();
+    for ns in listed(&["netns", "list"]).into_iter().filter(|n| dead(n)) {
+        // Deleting a namespace deletes its end of each veth pair, and with it the pair.
+        if ip(&["netns", "del", &ns]).is_ok() {
+            removed.push(format!("netns {ns}"));
+        }
+    }
+    for bridge in listed(&["-o", "link", "show", "type", "bridge"])
+        .into_iter()
+        .filter(|b| dead(b) && owner(b).map(tag).as_deref() == Some(b.as_str()))
+    {
+        let _ = iptables("-D", &bridge);
+        if ip(&["link", "del", &bridge]).is_ok() {
+            removed.push(format!("bridge {bridge}"));
+        }
+    }
+    removed
+}
+
+/// The names `ip ARGS` lists (first word of each line; `ip -o link` puts `<n>: ` first).
+fn listed(args: &[&str]) -> Vec<String> {
+    let Ok(out) = Command::new("ip").args(args).output() else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            let first = words.next()?;
+            let name = if first.ends_with(':') {
+                words.next()?
+            } else {
+                first
+            };
+            Some(name.trim_end_matches(':').split('@').next()?.to_string())
+        })
+        .collect()
+}
+
+/// Whether a process of that pid exists (a reused pid counts as running: nothing is removed).
+pub(crate) fn running(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
 fn ip(args: &[&str]) -> Result<()> {
     run(Command::new("ip").args(args), "ip", args)
 }
@@ -181,6 +249,45 @@ mod tests {
             || async { Ok(matches!(ask().await, Ok(Ok(_))).then_some(())) },
         )
         .await?;
+        Ok(())
+    }
+
+    /// The network a SIGKILLed campaign left behind is removed by the next campaign's sweep,
+    /// and a running campaign's is left alone.
+    #[test]
+    fn a_dead_campaigns_network_is_swept_and_a_live_ones_kept() -> Result<()> {
+        let mut child = Command::new("true").spawn()?;
+        let dead_pid = child.id();
+        child.wait()?;
+        // A live "campaign": a process that runs while the sweep does.
+        let mut alive = Command::new("sleep").arg("60").spawn()?;
+        let dead = Net::create_for(2, dead_pid)?;
+        let live = Net::create_for(1, alive.id())?;
+        let (dead_tag, live_tag) = (tag(dead_pid), tag(alive.id()));
+        let removed = sweep_orphans();
+        let links = listed(&["-o", "link", "show"]);
+        let namespaces = listed(&["netns", "list"]);
+        drop(live);
+        let _ = alive.kill();
+        let _ = alive.wait();
+        assert!(
+            removed.contains(&format!("bridge {dead_tag}")),
+            "{removed:?}"
+        );
+        assert!(
+            !namespaces
+                .iter()
+                .any(|n| n.starts_with(&format!("{dead_tag}n"))),
+            "{namespaces:?}"
+        );
+        assert!(!links.contains(&dead_tag), "{links:?}");
+        assert!(links.contains(&live_tag), "the live one kept: {links:?}");
+        assert!(
+            namespaces.contains(&format!("{live_tag}n0")),
+            "{namespaces:?}"
+        );
+        // What the sweep removed, the dead campaign's drop finds gone: no error, no panic.
+        drop(dead);
         Ok(())
     }
 }

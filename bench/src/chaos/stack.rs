@@ -45,7 +45,16 @@ pub struct ChaosStack {
 
 impl ChaosStack {
     pub async fn start(replicas: usize) -> Result<Self> {
-        let dir = tempfile::Builder::new().prefix("ts-chaos-").tempdir()?;
+        // What campaigns killed outright left (their cluster network, their store mounts).
+        for left in super::net::sweep_orphans()
+            .into_iter()
+            .chain(super::disk::sweep_orphans())
+        {
+            eprintln!("chaos: removed what a campaign no longer running left: {left}");
+        }
+        let dir = tempfile::Builder::new()
+            .prefix(&super::disk::dir_prefix(std::process::id()))
+            .tempdir()?;
         let (disks, no_disk) = match (0..replicas)
             .map(|i| SmallDisk::mount(&dir.path().join(format!("store-{i}"))))
             .collect::<Result<Vec<_>>>()
@@ -280,17 +289,38 @@ impl ChaosStack {
         self.dir.as_path()
     }
 
-    /// Keeps the campaign's directory (logs, transcripts) after the stack is gone.
+    /// Keeps the campaign's directory (logs, transcripts) after the stack is gone, with a
+    /// copy of each nats node's log (`nats-<i>.log`; the node's own directory goes with it).
     pub fn keep(&mut self) {
         if let Some(d) = self.cleanup.take() {
             let _ = d.keep();
         }
+        for (i, n) in self.nats.iter().enumerate() {
+            let to = self.dir.join(format!("nats-{i}.log"));
+            if let Err(e) = std::fs::copy(n.log_path(), &to) {
+                eprintln!("chaos: keep {}: {e}", to.display());
+            }
+        }
     }
 }
 
-impl Drop for ChaosStack {
-    /// Paused processes are resumed so their SIGKILL on drop takes; tmux servers are ended.
-    fn drop(&mut self) {
+impl ChaosStack {
+    /// Ends everything now (a campaign stopped by a signal): every process, the tmux servers,
+    /// the cluster's network and the store mounts. The directory is kept when [`Self::keep`]
+    /// was called.
+    pub fn teardown(&mut self) {
+        self.resume_all();
+        self.services.clear();
+        self.nats.clear();
+        self.net = None;
+        self.no_net = Some("torn down".into());
+        self.disks.clear();
+        self.no_disk = Some("torn down".into());
+        self.cleanup = None;
+    }
+
+    /// Paused processes are resumed (so a SIGKILL takes); tmux servers are ended.
+    fn resume_all(&self) {
         for p in self.services.values() {
             if let Some(pid) = p.pid() {
                 let _ = signal(pid, rustix::process::Signal::CONT);
@@ -304,6 +334,12 @@ impl Drop for ChaosStack {
         for h in HOSTS {
             let _ = self.kill_tmux(h);
         }
+    }
+}
+
+impl Drop for ChaosStack {
+    fn drop(&mut self) {
+        self.resume_all();
     }
 }
 

@@ -22,9 +22,9 @@ use turnstile_shared::runs::{RunRecord, RunState, StartRun};
 use turnstile_shared::step_api::{step_kind, Ended, StepWorkItem};
 use turnstile_shared::{consume, subjects, topology, ExecutionId, RunId};
 
+use crate::ctx::Ctx;
 use crate::registry;
 use crate::step_events::step_event;
-use crate::Ctx;
 
 const API: Duration = Duration::from_secs(10);
 /// Lines of the agent's last reply kept as the step's output.

@@ -10,7 +10,7 @@ use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::Caller;
 use turnstile_shared::Envelope;
 
-use crate::Ctx;
+use crate::ctx::Ctx;
 
 pub(crate) enum Identity {
     Session(Box<SessionRecord>),
@@ -51,7 +51,7 @@ pub(crate) async fn authenticate(
                 .executions
                 .get::<ExecutionRecord>(step.as_str())
                 .await
-                .map_err(|e| ApiError::internal(e.to_string()))?;
+                .map_err(ApiError::from)?;
             match record {
                 Some((r, _))
                     if r.token
@@ -70,7 +70,7 @@ pub(crate) async fn authenticate(
                 .sessions
                 .get::<SessionRecord>(session.as_str())
                 .await
-                .map_err(|e| ApiError::internal(e.to_string()))?;
+                .map_err(ApiError::from)?;
             match record {
                 Some((r, _)) if same_secret(&r.token, &caller.token) => {
                     if r.is_active() {

@@ -4,23 +4,33 @@
 //!
 //! # Layout
 //!
-//! [`run`] starts five tasks on one shared `Ctx`. Calls go down this list, never up:
+//! [`run`] starts five tasks on one shared `Ctx`. Calls go down this list, never up, file by
+//! file (`house.rs::no_import_cycles_between_files` checks that no two files import each
+//! other, even through others):
 //!
-//! * `api`: step and exec APIs (`api/steps`, `api/exec`). Calls `auth`, `step_events`, `registry`.
-//! * `ended`: the one writer of terminal states. Calls `step_events`, `registry`.
+//! * `api`: step and exec APIs (`api/steps`, `api/exec`). Calls `auth`, `step_events`, `owned`,
+//!   `registry`.
+//! * `ended`: the one writer of terminal states. Calls `step_events`, `owned`, `registry`.
 //! * `agents`: agent steps, each a run on a session of its own. Calls `step_events`, `registry`.
 //! * `turns`: running turns become tree nodes; an ended one cancels its work. Calls `registry`.
-//! * `runs_mirror`: runs and their messages become tree nodes. Calls nothing here.
+//! * `runs_mirror`: runs and their messages become tree nodes. Calls nothing here but `ctx`.
 //! * `callout`: agents' NATS identities (the server's auth callout), and ending a stopped
 //!   session's connections. Calls `auth`.
-//! * `auth`: who a step API call acts for (session or step token). Leaf.
-//! * `step_events`: builds and publishes the `step.<status>` session events. Leaf.
-//! * `registry`: executions in KV, the child index, the tree walk, cancel by ownership. Leaf.
+//! * `auth`: who a step API call acts for (session or step token). Calls `ctx` only.
+//! * `step_events`: builds and publishes the `step.<status>` session events. Calls `ctx` only.
+//! * `owned`: the index of the `session`-scoped work each session owns (R7). Calls `registry`.
+//! * `registry`: executions in KV, the child index, the tree walk, cancel by ownership. Calls
+//!   `ctx` only.
+//! * `ctx`: the shared `Ctx` and the service's `Error`, used by all of the above. It holds
+//!   state of modules above it whose types live in files that import nothing here:
+//!   `ended/attempts.rs` (`Inline`), `ended/armed.rs`, `callout/error.rs`; and `running`.
+//! * `running`: running steps' records as this replica last wrote them. Leaf.
 
 mod agents;
 mod api;
 mod auth;
 mod callout;
+mod ctx;
 mod ended;
 mod owned;
 mod registry;
@@ -29,15 +39,15 @@ mod runs_mirror;
 mod step_events;
 mod turns;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::config::{Connected, StartError};
-use turnstile_shared::topology::{Buckets, TopologyConfig};
-use turnstile_shared::ExecutionId;
+use turnstile_shared::config::Connected;
+use turnstile_shared::topology::TopologyConfig;
 
 pub use callout::{account_key, CalloutConfig};
+use ctx::Ctx;
+pub use ctx::Error;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -58,50 +68,6 @@ impl Config {
             topology: TopologyConfig::default(),
             replica: format!("broker-{}", std::process::id()),
             callout: None,
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Start(#[from] StartError),
-    #[error("start API service: {0}")]
-    Api(async_nats::Error),
-    #[error("auth callout: {0}")]
-    Callout(#[from] callout::CalloutError),
-}
-
-pub(crate) struct Ctx {
-    pub client: async_nats::Client,
-    pub js: async_nats::jetstream::Context,
-    pub buckets: Buckets,
-    pub topology: TopologyConfig,
-    /// Ends this replica's report handler is recording itself (see `ended`).
-    pub inline: ended::Inline,
-    /// Sessions with a delivery armed or a run holding them, as this replica sees it
-    /// (see `ended`).
-    pub armed: ended::ArmedSessions,
-    /// Running steps' records as this replica last wrote them (see `running`).
-    pub running: running::Running,
-    parent_locks: std::sync::Mutex<HashMap<ExecutionId, Arc<tokio::sync::Mutex<()>>>>,
-}
-
-impl Ctx {
-    fn parent_lock(&self, parent: &ExecutionId) -> Arc<tokio::sync::Mutex<()>> {
-        match self.parent_locks.lock() {
-            Ok(mut m) => m.entry(parent.clone()).or_default().clone(),
-            Err(_) => Arc::default(),
-        }
-    }
-
-    /// Forgets the lock once nobody else holds or waits on it.
-    fn release_parent_lock(&self, parent: &ExecutionId, lock: Arc<tokio::sync::Mutex<()>>) {
-        if let Ok(mut m) = self.parent_locks.lock() {
-            // Ours plus the map's: nobody else has it.
-            if Arc::strong_count(&lock) == 2 {
-                m.remove(parent);
-            }
         }
     }
 }

@@ -13,8 +13,8 @@ use turnstile_shared::records::SessionRecord;
 use turnstile_shared::step_api::Ended;
 use turnstile_shared::{subjects, ExecutionId, SessionId};
 
+use crate::ctx::Ctx;
 use crate::registry::{self, RegistryError};
-use crate::Ctx;
 
 /// Whether `record` is noted in its owner's index: `session`-scoped steps with an owner.
 pub(crate) fn noted(record: &ExecutionRecord) -> Option<&SessionId> {

@@ -11,7 +11,7 @@ use turnstile_shared::records::{TurnRecord, TurnState};
 use turnstile_shared::step_api::{Ended, TreeNode};
 use turnstile_shared::{events, subjects, ExecutionId, SessionId, TurnId};
 
-use crate::Ctx;
+use crate::ctx::Ctx;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum RegistryError {
@@ -128,6 +128,7 @@ async fn upsert_turn(ctx: &Ctx, turn: &TurnRecord) -> Result<Option<ExecutionRec
                 work: None,
                 token: None,
                 children: Vec::new(),
+                handed_over: Vec::new(),
                 status: status.clone(),
             }),
         })

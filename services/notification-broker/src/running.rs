@@ -88,6 +88,7 @@ mod tests {
             work: None,
             token: None,
             children: Vec::new(),
+            handed_over: Vec::new(),
             status: ExecStatus::Running {
                 started_at: chrono::Utc::now(),
                 worker: Some("w".into()),

@@ -12,7 +12,7 @@ use turnstile_shared::kv::{Change, KvError};
 use turnstile_shared::runs::{RunRecord, RunState};
 use turnstile_shared::{consume, topology, ExecutionId};
 
-use crate::Ctx;
+use crate::ctx::Ctx;
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     consume::until_shutdown("run mirror", &shutdown, || consume(&ctx, &shutdown)).await
@@ -103,6 +103,7 @@ async fn mirror(ctx: &Ctx, run: &RunRecord) -> Result<(), KvError> {
         work: None,
         token: None,
         children,
+        handed_over: Vec::new(),
         status,
     };
     let name = run.schedule.clone().unwrap_or_else(|| "run".to_string());

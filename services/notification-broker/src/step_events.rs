@@ -6,7 +6,7 @@ use serde_json::json;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::execution::ExecutionRecord;
 
-use crate::Ctx;
+use crate::ctx::Ctx;
 
 /// `step.<status>` on the session the step belongs to, de-duplicated per (step, status).
 pub(crate) async fn step_event(ctx: &Ctx, record: &ExecutionRecord, k: EventKind) {

@@ -11,8 +11,8 @@ use turnstile_shared::execution::exec_reason;
 use turnstile_shared::records::TurnRecord;
 use turnstile_shared::{consume, topology};
 
+use crate::ctx::Ctx;
 use crate::registry::{self, Reach};
-use crate::Ctx;
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     consume::until_shutdown("turn mirror", &shutdown, || consume(&ctx, &shutdown)).await

@@ -19,8 +19,8 @@ use turnstile_shared::schedules::{
 use turnstile_shared::{subjects, RunId};
 
 use crate::cron::CronSpec;
+use crate::ctx::{Ctx, Error};
 use crate::ticker::{fire, schedule_event, start_run, update, TickError};
-use crate::{Ctx, Error};
 
 /// Slots a backfill may fire at once.
 const MAX_BACKFILL: usize = 500;
@@ -311,7 +311,7 @@ async fn delete(ctx: Arc<Ctx>, req: ScheduleRef) -> Result<ScheduleRecord, ApiEr
         .store()
         .delete(&req.name)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::failure)?;
     schedule_event(&ctx, &req.name, EventKind::ScheduleDeleted, json!({})).await;
     Ok(s)
 }

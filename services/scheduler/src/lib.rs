@@ -11,9 +11,12 @@
 //! * `table`: the schedules as the ticker holds them (kept by a watch), due and wake times.
 //! * `plan`: what becomes of a due slot (skip, miss, fire, overlap), pure. Leaf.
 //! * `cron`: cron expressions in an IANA zone to slot instants (UTC), pure. Leaf.
+//! * `ctx`: what the API and the ticker share (NATS handles, buckets), and the service's
+//!   `Error`. Leaf.
 
 mod api;
 pub mod cron;
+mod ctx;
 pub mod plan;
 mod table;
 mod ticker;
@@ -21,8 +24,11 @@ mod ticker;
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::config::{Connected, StartError};
-use turnstile_shared::topology::{Buckets, TopologyConfig};
+use turnstile_shared::config::Connected;
+use turnstile_shared::topology::TopologyConfig;
+
+use crate::ctx::Ctx;
+pub use crate::ctx::Error;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -42,20 +48,6 @@ impl Config {
             replica: format!("scheduler-{}", std::process::id()),
         }
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Start(#[from] StartError),
-    #[error("start API service: {0}")]
-    Api(async_nats::Error),
-}
-
-pub(crate) struct Ctx {
-    pub client: async_nats::Client,
-    pub js: async_nats::jetstream::Context,
-    pub buckets: Buckets,
 }
 
 /// Runs the scheduler until `shutdown` is cancelled.

@@ -24,9 +24,9 @@ use turnstile_shared::schedules::{slot_key, slot_run, ScheduleRecord, SlotOutcom
 use turnstile_shared::{subjects, RunId};
 
 use crate::cron::CronSpec;
+use crate::ctx::Ctx;
 use crate::plan::{decide, Decision, Situation};
 use crate::table::Table;
-use crate::Ctx;
 
 /// Longest sleep without looking (a missed wake-up costs at most this).
 const MAX_SLEEP: Duration = Duration::from_secs(30);

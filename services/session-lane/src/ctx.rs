@@ -8,6 +8,8 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::config::StartError;
 use turnstile_shared::topology::{Buckets, TopologyConfig};
 
+use crate::liveness::Fenced;
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
@@ -20,22 +22,33 @@ pub enum Error {
     Fenced(#[from] Fenced),
 }
 
-/// The replica was taken for dead by a survivor, which now serves its lanes (`liveness`).
-#[derive(Debug, thiserror::Error)]
-#[error("this replica's liveness key was taken by a survivor (it was silent for too long)")]
-pub struct Fenced;
-
-/// How often a replica renews its liveness key, and how long a silent one lives.
+/// How often a replica renews its liveness key, how long it may act on its last renewal, and
+/// when a survivor takes a peer for dead (`liveness`).
 #[derive(Debug, Clone, Copy)]
 pub struct Timing {
+    /// Between two renewals of this replica's key.
     pub interval: Duration,
+    /// How long after *sending* its last successful renewal this replica may still act
+    /// (`liveness::lease`): shorter than [`Timing::gone_after`] and [`Timing::timeout`], so no
+    /// replica acts once a survivor may have taken it over.
+    pub lease: Duration,
+    /// Between two pings of each peer (`liveness::probe`).
+    pub probe: Duration,
+    /// A peer the server says is disconnected (its pings get no responders) and whose
+    /// renewals stopped this long ago is dead: the fast path, for a process that died.
+    pub gone_after: Duration,
+    /// A peer silent this long is dead even while its connection stays open: the slow path,
+    /// for a paused or partitioned process.
     pub timeout: Duration,
 }
 
 impl Default for Timing {
     fn default() -> Self {
         Self {
-            interval: Duration::from_millis(250),
+            interval: Duration::from_millis(100),
+            lease: Duration::from_millis(300),
+            probe: Duration::from_millis(100),
+            gone_after: Duration::from_millis(400),
             timeout: Duration::from_millis(1250),
         }
     }
@@ -55,6 +68,8 @@ pub(crate) struct Ctx {
     /// Cancelled when a survivor took this replica for dead and took its lanes over: nothing
     /// may be acked, given back or handed back from then on.
     pub fenced: CancellationToken,
+    /// Whether this replica may act now: its last renewal is recent (`liveness::lease`).
+    pub lease: crate::liveness::Lease,
     pub turns: crate::turn_watch::TurnWatch,
     /// The process-wide shutdown, as distinct from one lane's cancellation.
     pub shutdown: CancellationToken,

@@ -7,10 +7,11 @@
 //! delivery arrives with its item, and the check reads nothing.
 //!
 //! Only what admits is taken from here: an end recorded, for a session that owns or watches
-//! it. Anything else (not seen, not ended, another session's) is read from the registry as
-//! before, so a watch that lags or breaks costs a read, never a wrong hand-over. An ended
-//! record never changes its end (the first end wins), and a watcher added later arrives as
-//! the record's next write.
+//! it, and not handed to that session already. Anything else (not seen, not ended, another
+//! session's, handed over) is read from the registry as before, so a watch that breaks costs
+//! a read, never a wrong hand-over: what was kept is forgotten when it breaks. An ended
+//! record never changes its end (the first end wins); a watcher added later, or a hand-over
+//! recorded, arrives as the record's next write.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,6 +38,9 @@ struct Ended {
     completion: Completion,
     owner: Option<SessionId>,
     watchers: Vec<SessionId>,
+    /// Sessions a completed turn handed it to already: never admitted from here (the read
+    /// refuses them).
+    handed: Vec<SessionId>,
 }
 
 impl Ended {
@@ -45,11 +49,17 @@ impl Ended {
             completion: Completion::of(record),
             owner: record.owner.clone(),
             watchers: record.watchers.clone(),
+            handed: record
+                .handed_over
+                .iter()
+                .map(|h| h.session.clone())
+                .collect(),
         })
     }
 
     fn admits(&self, session: &SessionId) -> bool {
-        self.owner.as_ref() == Some(session) || self.watchers.contains(session)
+        (self.owner.as_ref() == Some(session) || self.watchers.contains(session))
+            && !self.handed.contains(session)
     }
 }
 
@@ -182,6 +192,11 @@ impl EndedView {
     fn set_following(&self, up: bool) {
         self.inner.following.store(up, Ordering::Relaxed);
         if !up {
+            // Writes made until the next watch are missed (a hand-over among them): what is
+            // kept may be stale, so it is forgotten and read afresh.
+            if let Ok(mut kept) = self.inner.kept.lock() {
+                *kept = Kept::default();
+            }
             // Waiters fall back to a read at once.
             self.inner.arrived.notify_waiters();
         }
@@ -220,6 +235,7 @@ mod tests {
             work: None,
             token: None,
             children: vec![],
+            handed_over: Vec::new(),
             status,
         }
     }
@@ -281,8 +297,41 @@ mod tests {
             view.admitted(&done.id, &theirs).is_some(),
             "a watcher added"
         );
+        let handed = ExecutionRecord {
+            handed_over: vec![turnstile_shared::execution::HandedOver {
+                session: ours.clone(),
+                turn: turnstile_shared::TurnId::new(),
+                at: chrono::Utc::now(),
+            }],
+            ..watched.clone()
+        };
+        put(&view, &handed);
+        assert!(
+            view.admitted(&done.id, &ours).is_none(),
+            "handed to ours already: read (and refused there)"
+        );
+        assert!(
+            view.admitted(&done.id, &theirs).is_some(),
+            "not handed to the watcher yet"
+        );
         view.forget(done.id.as_str());
         assert!(view.admitted(&done.id, &ours).is_none(), "removed: read");
+    }
+
+    #[test]
+    fn a_broken_watch_forgets_what_it_kept() {
+        let view = EndedView::detached();
+        let s = SessionId::new();
+        let done = ExecutionRecord {
+            status: ended(),
+            ..record(&s, ExecStatus::Queued)
+        };
+        view.set_following(true);
+        put(&view, &done);
+        assert!(view.admitted(&done.id, &s).is_some());
+        // A hand-over written while the watch is down would be missed: read instead.
+        view.set_following(false);
+        assert!(view.admitted(&done.id, &s).is_none());
     }
 
     #[test]

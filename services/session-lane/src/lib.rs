@@ -1,26 +1,40 @@
 //! The session-lane service: sessions, their exclusive lanes, and turn dispatch to each
 //! session's host. Several replicas may run; each lane is pinned to exactly one of them (R1).
 //!
-//! Layout (calls go down the list, never up):
+//! Layout. Calls go down this list, never up, with one exception by design: `ctx` holds
+//! state of modules above it, whose types live in files that import nothing of this crate
+//! (`lane/pull.rs`, `handoff/collected.rs`, `handoff/standby.rs`, `liveness/lease.rs`). So
+//! no two files import each other, even through others
+//! (`house.rs::no_import_cycles_between_files`).
 //!
 //! - `api`: the request/reply APIs, one file each: `api/sessions.rs` (`ts.api.session.*`) and
-//!   `api/runs.rs` (`ts.api.runs.*`).
+//!   `api/runs.rs` (`ts.api.runs.*`). Calls `handoff`, `lane` (run events), `ctx`.
 //! - `supervisor`: one lane worker per active session on this replica, started and stopped
-//!   from a watch of the sessions bucket.
+//!   from a watch of the sessions bucket. Calls `lane`, `ctx`, `bucket_watch`.
 //! - `lane`: the lane worker: `lane/mod.rs` pulls the session's next item and matches on its
 //!   kind; one file per kind: `lane/turn.rs`, `lane/delivery.rs`, `lane/run/` (the R5 loop).
+//!   Calls `handoff`, `liveness` (pins, the lease), `ctx`.
 //! - `handoff`: the primitives the kinds share: give back or refuse an item, dispatch a turn
-//!   and wait for its outcome, collect and settle completions.
+//!   and wait for its outcome, collect and settle completions. Calls `ctx`, `turn_watch`.
 //! - `liveness`: this replica's liveness key, and the take-over of a dead replica's lanes
-//!   within seconds (unpin, give back its item in flight).
-//! - `turn_watch`: the replica's one KV watch of turn records, with per-turn waiters.
-//! - `ctx`: what all of the above share (NATS handles, topology, per-replica state).
+//!   within seconds (unpin, give back its item in flight). Calls `ctx`, `bucket_watch`.
+//! - `host_watch`: the watch of the hosts bucket that keeps `placement` up to date. Calls
+//!   `ctx`, `bucket_watch`.
+//! - `ctx`: what all of the above share (NATS handles, topology, per-replica state). Holds
+//!   `placement`, `ended_view` and `turn_watch`.
+//! - `placement`: the live hosts and the sessions on each, for placing new sessions. Leaf.
+//! - `ended_view`: the executions' recent ends, from this replica's watch of the registry.
+//!   Calls `bucket_watch`.
+//! - `turn_watch`: the replica's one KV watch of turn records, with per-turn waiters. Calls
+//!   `bucket_watch`.
+//! - `bucket_watch`: the one loop behind the watches of a bucket's new writes. Leaf.
 
 mod api;
 mod bucket_watch;
 mod ctx;
 mod ended_view;
 mod handoff;
+mod host_watch;
 mod lane;
 mod liveness;
 mod placement;
@@ -127,6 +141,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     )
     .await
     .map_err(Error::Pulls)?;
+    let lease = liveness::Lease::on(config.liveness.lease, client.clone());
     let ctx = Arc::new(Ctx {
         client,
         js,
@@ -139,6 +154,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         ),
         replica: config.replica.clone(),
         liveness: config.liveness,
+        lease,
         fenced,
         turns,
         shutdown: stop.clone(),
@@ -154,14 +170,17 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         pulls,
     });
     ctx.probe_session_state();
-    tokio::spawn(placement::watch_hosts(ctx.clone(), stop.child_token()));
+    tokio::spawn(host_watch::watch_hosts(ctx.clone(), stop.child_token()));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");
 
+    // Liveness outlives the lanes on a graceful stop: their last acts run under its lease.
+    let live = CancellationToken::new();
     let liveness = {
         let ctx = ctx.clone();
         let stop = stop.clone();
+        let live = live.clone();
         tokio::spawn(async move {
-            let result = liveness::run(ctx.clone(), stop.clone()).await;
+            let result = liveness::run(ctx.clone(), live).await;
             if result.is_err() {
                 ctx.fenced.cancel();
                 stop.cancel();
@@ -173,6 +192,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     let lanes = supervisor::run(ctx.clone(), stop.clone());
     let (api_result, lanes_result) = tokio::join!(api, lanes);
     stop.cancel();
+    live.cancel();
     if let Ok(Err(fenced)) = liveness.await {
         ctx.client.drain().await.ok();
         return Err(fenced.into());

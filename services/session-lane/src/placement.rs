@@ -1,25 +1,20 @@
 //! Where a new session goes, without reading the store: the live transport hosts as this
-//! replica sees them (kept by a watch on `ts_hosts`) and how many active sessions each serves
-//! (kept by the supervisor, which follows every session anyway). Reading every host and every
-//! session per create made creation cost grow with the fleet (32 a second at 1,000 sessions).
+//! replica sees them (kept by `host_watch`'s watch on `ts_hosts`) and how many active
+//! sessions each serves (kept by the supervisor, which follows every session anyway). Reading
+//! every host and every session per create made creation cost grow with the fleet (32 a
+//! second at 1,000 sessions).
 //!
 //! A host is live while its heartbeats keep arriving: its last one is younger than the hosts
 //! bucket's age limit (the host TTL it was provisioned with), judged by the server's timestamp
 //! of the message.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
-use async_nats::jetstream::kv::Operation;
 use chrono::{DateTime, Utc};
-use futures::StreamExt;
-use tokio_util::sync::CancellationToken;
 use turnstile_shared::records::HostRecord;
 use turnstile_shared::{HostName, SessionId};
-
-use crate::bucket_watch::sleep_or_cancel;
-use crate::ctx::Ctx;
 
 #[derive(Default)]
 pub(crate) struct Placement {
@@ -123,74 +118,16 @@ impl Placement {
         }
     }
 
-    fn heartbeat(&self, record: HostRecord, at: DateTime<Utc>, caught_up: bool) {
+    pub(crate) fn heartbeat(&self, record: HostRecord, at: DateTime<Utc>, caught_up: bool) {
         if let Ok(mut inner) = self.inner.lock() {
             inner.hosts.insert(record.name.clone(), (record, at));
             inner.ready |= caught_up;
         }
     }
 
-    fn forget(&self, host: &str) {
+    pub(crate) fn forget(&self, host: &str) {
         if let Ok(mut inner) = self.inner.lock() {
             inner.hosts.retain(|h, _| h.as_str() != host);
-        }
-    }
-}
-
-/// How often `turnstile_hosts_alive` is brought up to date (a host lapses without an entry).
-const HOSTS_GAUGE_PERIOD: Duration = Duration::from_secs(1);
-
-/// Follows `ts_hosts` into `ctx.placement` until `shutdown`.
-pub(crate) async fn watch_hosts(ctx: Arc<Ctx>, shutdown: CancellationToken) {
-    loop {
-        let mut watch = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return,
-            w = ctx.buckets.hosts.store().watch_with_history(">") => match w {
-                Ok(w) => w,
-                Err(e) => {
-                    tracing::warn!(error = %e, "watch hosts bucket; retrying");
-                    sleep_or_cancel(&shutdown, Duration::from_millis(500)).await;
-                    continue;
-                }
-            },
-        };
-        let mut gauge = tokio::time::interval(HOSTS_GAUGE_PERIOD);
-        loop {
-            let entry = tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => return,
-                e = watch.next() => e,
-                _ = gauge.tick() => {
-                    if let Some(n) = ctx.placement.live_count(ctx.topology.host_ttl) {
-                        turnstile_shared::metrics::metrics().hosts_alive.set(n as i64);
-                    }
-                    continue;
-                }
-            };
-            match entry {
-                Some(Ok(e)) => match e.operation {
-                    Operation::Put => match serde_json::from_slice::<HostRecord>(&e.value) {
-                        Ok(r) => {
-                            let at = DateTime::from_timestamp(
-                                e.created.unix_timestamp(),
-                                e.created.nanosecond(),
-                            )
-                            .unwrap_or_else(Utc::now);
-                            ctx.placement.heartbeat(r, at, e.delta == 0);
-                        }
-                        Err(err) => {
-                            tracing::warn!(key = %e.key, error = %err, "unreadable host record")
-                        }
-                    },
-                    Operation::Delete | Operation::Purge => ctx.placement.forget(&e.key),
-                },
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "hosts watch interrupted; re-watching");
-                    break;
-                }
-                None => break,
-            }
         }
     }
 }

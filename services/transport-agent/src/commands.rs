@@ -20,7 +20,7 @@ use turnstile_shared::records::{
 use turnstile_shared::{consume, deadletter, subjects, topology, SessionId, TurnId};
 
 use crate::adapter::{Adapter, Adopted, SessionSpec, TurnEnd};
-use crate::{Ctx, Error};
+use crate::ctx::{Ctx, Error};
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {
     consume::until_shutdown("transport commands", &shutdown, || consume(&ctx, &shutdown)).await;
@@ -377,15 +377,8 @@ enum Base {
 /// The turn's record as its command describes it, queued: what the transport records when
 /// no record is there (a delivery turn's carried list included).
 fn from_command(cmd: &TurnCommand) -> TurnRecord {
-    TurnRecord {
-        id: cmd.turn.clone(),
-        session: cmd.session.clone(),
-        text: cmd.text.clone(),
-        queued_at: Utc::now(),
-        delivery: cmd.delivery.clone(),
-        parent: None,
-        state: TurnState::Queued,
-    }
+    TurnRecord::queued(cmd.turn.clone(), cmd.session.clone(), cmd.text.clone())
+        .carrying(cmd.delivery.clone())
 }
 
 /// The turn's record and revision: read, or created from the command when the lane's write

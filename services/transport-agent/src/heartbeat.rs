@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::events::{self, host_event, EventKind};
 use turnstile_shared::records::HostRecord;
 
-use crate::{Ctx, Error};
+use crate::ctx::{Ctx, Error};
 
 /// How soon a heartbeat that failed is tried again: the moment the connection is back (on
 /// another node after a partition), the host is alive again, well inside its TTL.

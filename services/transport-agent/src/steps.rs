@@ -19,8 +19,8 @@ use turnstile_shared::step_api::{step_kind, Report, ReportAck, StepReport, StepW
 use turnstile_shared::{consume, subjects, topology};
 
 use crate::commands::refuse;
+use crate::ctx::{Ctx, Error};
 use crate::tail::Tail;
-use crate::{Ctx, Error};
 
 /// Lines of output kept for the result.
 const TAIL_LINES: usize = 20;

@@ -13,8 +13,8 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::SessionId;
 
+use crate::ctx::Ctx;
 use crate::tmux::Tmux;
-use crate::Ctx;
 
 const EVERY: Duration = Duration::from_millis(500);
 const EVIDENCE_LINES: usize = 20;

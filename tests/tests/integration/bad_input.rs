@@ -9,7 +9,8 @@ use turnstile_shared::subjects;
 
 use crate::stack::{report, Stack};
 
-/// Acceptance 5.
+/// R15: malformed lane items and items of an unknown version are refused, and the lane goes
+/// on to the next item.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_unknown_version_lane_items_are_refused_and_the_lane_goes_on() -> Result<()> {
     let mut stack = Stack::start(&["a"], &["h1"]).await?;

@@ -143,3 +143,81 @@ async fn the_schedules_benchmark_fires_every_slot_and_measures_its_drift() -> Re
     }
     Ok(())
 }
+
+/// A fault campaign stopped by SIGTERM halfway removes what it set up (its cluster's network
+/// namespaces and bridge, its store mounts, every process it started) and exits non-zero
+/// naming the signal: a stopped campaign leaves the machine as it found it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_campaign_stopped_by_sigterm_removes_its_network_mounts_and_processes() -> Result<()> {
+    let bin = turnstile_tests::bin_path("turnstile-bench")?;
+    let campaign = tokio::process::Command::new(&bin)
+        .args(["chaos", "--seed", "1", "--minutes", "5", "--replicas", "3"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let pid = campaign.id().context("the campaign's pid")?;
+    let (bridge, dir_mark) = (format!("tsc{pid}"), format!("ts-chaos-{pid}-"));
+    let namespaces = || {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "list"])
+            .output();
+        out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with(&format!("{bridge}n")))
+            .count()
+    };
+    let mounts = || {
+        std::fs::read_to_string("/proc/mounts")
+            .unwrap_or_default()
+            .matches(&dir_mark)
+            .count()
+    };
+    // Processes of the campaign: their command lines or their output name its directory.
+    let processes = || {
+        let mut n = 0;
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let output = std::fs::read_link(entry.path().join("fd/1")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&dir_mark)
+                || output.to_string_lossy().contains(&dir_mark)
+            {
+                n += 1;
+            }
+        }
+        n
+    };
+    // Up: three nodes in namespaces on their own disks, and the services running.
+    turnstile_tests::wait_until(
+        "the campaign's cluster and services",
+        Duration::from_secs(90),
+        || async { Ok((namespaces() == 3 && mounts() == 3 && processes() >= 8).then_some(())) },
+    )
+    .await?;
+    let raw = i32::try_from(pid)?;
+    let target = rustix::process::Pid::from_raw(raw).context("pid")?;
+    rustix::process::kill_process(target, rustix::process::Signal::TERM)?;
+    let out = tokio::time::timeout(Duration::from_secs(60), campaign.wait_with_output())
+        .await
+        .context("the campaign did not exit within 60 s of SIGTERM")??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "exited 0 when stopped: {stderr}");
+    ensure!(stderr.contains("stopped by SIGTERM"), "{stderr}");
+    ensure!(namespaces() == 0, "namespaces left: {stderr}");
+    let links = std::process::Command::new("ip")
+        .args(["-o", "link", "show"])
+        .output()?;
+    ensure!(
+        !String::from_utf8_lossy(&links.stdout).contains(&format!(" {bridge}:")),
+        "bridge {bridge} left"
+    );
+    ensure!(mounts() == 0, "mounts left");
+    turnstile_tests::wait_until(
+        "every process of the campaign gone",
+        Duration::from_secs(10),
+        || async { Ok((processes() == 0).then_some(())) },
+    )
+    .await?;
+    Ok(())
+}

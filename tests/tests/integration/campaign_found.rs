@@ -276,3 +276,372 @@ async fn lost_start(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// R3, R14: two messages of one step's completion pending at once are handed over once, in
+/// one turn. The campaign (seed 1, 5 min, whose `disk_full` faults restart the only
+/// nats-server) found a delivery turn listing the same step's completion twice: two stored
+/// messages of one end (another stream sequence each) were taken into one delivery, which
+/// told copies apart by sequence only. Here the copy is stored while the session is busy, so
+/// the delivery after the turn finds both pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_messages_of_one_completion_pending_at_once_are_handed_over_once() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = pending_twice(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn pending_twice(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::delivery::Completion;
+    use turnstile_shared::execution::Scope;
+    use turnstile_shared::records::TurnState;
+    use turnstile_shared::step_api::{StartStep, StepKind};
+    use turnstile_shared::subjects;
+    let s = stack.create_session("pending-twice", None).await?;
+    let busy = stack.send(&s, "stay busy\n!sleep 5s").await?;
+    stack.wait_running(&busy).await?;
+    let step = stack
+        .start_step(&StartStep {
+            caller: stack.caller(&s).await?,
+            name: "quick".into(),
+            scope: Scope::Session,
+            work: StepKind::Command {
+                argv: vec!["true".into()],
+            },
+            id: None,
+        })
+        .await?;
+    let ended = stack
+        .wait_exec(&step.id, Duration::from_secs(30), |r| {
+            r.status.is_terminal()
+        })
+        .await?;
+    let copy = Completion::of(&ended)
+        .envelope(&s)?
+        .with_id(format!("{}:copy", step.id));
+    let broker = stack.js_as("notification-broker").await?;
+    broker
+        .publish(subjects::completion(&s, &step.id), copy.encode()?)
+        .await?
+        .await?;
+    let still = stack.turn(&busy).await?.context("the busy turn")?;
+    ensure!(
+        matches!(still.state, TurnState::Running { .. }),
+        "set-up: the busy turn ended before the copy was stored ({:?}), so the two were \
+         never pending at once",
+        still.state
+    );
+    crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(30)).await?;
+    stack.wait_idle(&s).await?;
+    let deliveries = stack.delivery_turns(&s).await?;
+    let carried: Vec<_> = deliveries
+        .iter()
+        .filter(|d| d.state.is_terminal())
+        .flat_map(|d| d.delivery.iter().flat_map(|c| c.completions.iter()))
+        .filter(|c| c.execution == step.id)
+        .collect();
+    ensure!(
+        carried.len() == 1,
+        "the step's completion was carried {} times: {deliveries:?}",
+        carried.len()
+    );
+    let typed = stack
+        .transcript(&s)
+        .await?
+        .iter()
+        .filter(|m| m.contains(step.id.as_str()))
+        .count();
+    ensure!(typed == 1, "the agent was told of the step {typed} times");
+    Ok(())
+}
+
+/// R1, R3: a cancelled run resumed while its turn is still at work ends only once that turn
+/// has ended. The campaign (seed 1, 10 min, on the CI machine) found a completion typed in a
+/// turn that began before the turn which started its step had ended: a `cancel_other`
+/// schedule's run, resumed after an interruption (a store error's retry, a replica taking the
+/// lane over), met its cancel at the top of its drive and ended at once, and the lane's next
+/// run was typed into the agent still at work on the cancelled run's turn. Here the lane
+/// replica is SIGKILLed and restarted while the run's one turn sleeps, with its cancel
+/// recorded, and a plain turn waits behind the run: the run ends `cancelled` at the boundary
+/// after that turn, and the turn behind it is typed after that turn ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_run_resumed_mid_turn_ends_only_after_that_turn() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = resumed_mid_turn(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn resumed_mid_turn(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::records::TurnState;
+    use turnstile_shared::runs::RunState;
+    let s = stack.create_session("resumed-mid-turn", None).await?;
+    let run = stack
+        .start_run(
+            &s,
+            &["a long turn\n!sleep 8s", "[resumed] never typed"],
+            None,
+        )
+        .await?;
+    let first = run.turn_id(0, 0);
+    stack.wait_running(&first).await?;
+    stack.cancel_run(&run.id).await?;
+    let after = stack.send(&s, "behind the run").await?;
+    let lane = stack.lanes.get_mut("a").context("lane replica a")?;
+    lane.restart().await?;
+    stack.wait_serving(true).await?;
+    let done = stack.wait_run(&run.id, Duration::from_secs(40)).await?;
+    let RunState::Failed {
+        reason,
+        ended_at: run_ended,
+        ..
+    } = &done.state
+    else {
+        anyhow::bail!("the run ended {:?}", done.state);
+    };
+    ensure!(reason == "cancelled", "the run failed {reason}");
+    let first = stack.wait_turn(&first, Duration::from_secs(20)).await?;
+    let TurnState::Completed {
+        ended_at: first_ended,
+        ..
+    } = first.state
+    else {
+        anyhow::bail!("the run's turn ended {:?}", first.state);
+    };
+    ensure!(
+        *run_ended >= first_ended,
+        "the run ended at {run_ended} while its turn ran until {first_ended}"
+    );
+    ensure!(
+        !stack
+            .transcript(&s)
+            .await?
+            .iter()
+            .any(|m| m == "[resumed] never typed"),
+        "the cancelled run typed its next message"
+    );
+    let after = stack.wait_turn(&after, Duration::from_secs(30)).await?;
+    let TurnState::Completed { typed_at, .. } = after.state else {
+        anyhow::bail!("the turn behind the run ended {:?}", after.state);
+    };
+    ensure!(
+        typed_at >= first_ended,
+        "the turn behind the run was typed at {typed_at}, before the run's turn ended at \
+         {first_ended}"
+    );
+    Ok(())
+}
+
+/// R3, R14: a run's hand-over turn that completed while its lane replica was away, the run
+/// cancelled meanwhile, still has what it carried settled when the run is resumed and ends at
+/// the cancel: the completion is not handed over again by the session's next turns. The
+/// campaign (seed 1, 10 min, on the CI machine) found a step's completion carried by the
+/// hand-over turns of two runs of a `cancel_other` schedule: the resumed first run ended at
+/// its cancel without acking what its ended turn carried, and the next run took it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_runs_ended_hand_over_is_settled_when_it_is_resumed() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = ended_hand_over(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn ended_hand_over(stack: &mut Stack) -> Result<()> {
+    use rustix::process::Signal;
+    use turnstile_shared::records::TurnState;
+    use turnstile_shared::runs::RunState;
+    let s = stack.create_session("ended-hand-over", None).await?;
+    let run = stack
+        .start_run(
+            &s,
+            &[
+                "start the build\n!step build 300ms\n!sleep 1s",
+                "[after] never typed",
+            ],
+            None,
+        )
+        .await?;
+    let (first, hand_over) = (run.turn_id(0, 0), run.turn_id(0, 1));
+    let done = stack.wait_turn(&first, Duration::from_secs(30)).await?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "the run's first turn ended {:?}",
+        done.state
+    );
+    // The agent is held still, so the hand-over turn stays under way once it is typed.
+    let agent = agent_pid(stack, &s)?;
+    signal(agent, Signal::STOP)?;
+    let typed = stack.wait_running(&hand_over).await;
+    let held = async {
+        typed?;
+        stack.cancel_run(&run.id).await?;
+        let lane = stack.lanes.get_mut("a").context("lane replica a")?;
+        lane.kill().await
+    }
+    .await;
+    signal(agent, Signal::CONT)?;
+    held?;
+    let ended = stack.wait_turn(&hand_over, Duration::from_secs(30)).await?;
+    let TurnState::Completed { .. } = &ended.state else {
+        anyhow::bail!("the hand-over turn ended {:?}", ended.state);
+    };
+    let build = ended
+        .delivery
+        .as_ref()
+        .and_then(|d| d.completions.first())
+        .map(|c| c.execution.clone())
+        .context("the hand-over turn carried the build step")?;
+    let lane = stack.lanes.get_mut("a").context("lane replica a")?;
+    lane.restart().await?;
+    stack.wait_serving(true).await?;
+    let done = stack.wait_run(&run.id, Duration::from_secs(40)).await?;
+    let RunState::Failed { reason, .. } = &done.state else {
+        anyhow::bail!("the run ended {:?}", done.state);
+    };
+    ensure!(reason == "cancelled", "the run failed {reason}");
+    // The session's next turn starts a step of its own: its delivery takes every pending
+    // completion of the session, which must not include the build step's any more.
+    let t = stack.send(&s, "!step second 200ms\n!sleep 1s").await?;
+    stack.all_complete(std::slice::from_ref(&t)).await?;
+    let carriers = wait_until(
+        "the second step's delivery",
+        Duration::from_secs(30),
+        || async {
+            let d = stack.delivery_turns(&s).await?;
+            let second = d.iter().any(|r| {
+                matches!(r.state, TurnState::Completed { .. }) && r.text.contains("second")
+            });
+            Ok(second.then_some(d))
+        },
+    )
+    .await?;
+    let carried: Vec<_> = carriers
+        .iter()
+        .filter(|d| matches!(d.state, TurnState::Completed { .. }))
+        .filter(|d| {
+            d.delivery
+                .iter()
+                .flat_map(|c| c.completions.iter())
+                .any(|c| c.execution == build)
+        })
+        .map(|d| d.id.clone())
+        .collect();
+    ensure!(
+        carried == vec![hand_over.clone()],
+        "the build step's completion was carried by {carried:?}, not only by {hand_over}"
+    );
+    let told = stack
+        .transcript(&s)
+        .await?
+        .iter()
+        .filter(|m| m.contains(build.as_str()))
+        .count();
+    ensure!(
+        told == 1,
+        "the agent was told of the build step {told} times"
+    );
+    Ok(())
+}
+
+/// The mock agent's process in the session's pane.
+fn agent_pid(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<u32> {
+    let sock = stack.dir.path().join("host-h1").join("tmux.sock");
+    let out = std::process::Command::new("tmux")
+        .arg("-S")
+        .arg(&sock)
+        .args(["list-panes", "-t", s.as_str(), "-F", "#{pane_pid}"])
+        .output()?;
+    let pid: u32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .context("the agent pane's pid")?;
+    ensure!(pid > 1, "agent pane pid {pid}");
+    Ok(pid)
+}
+
+/// R3, R14: a copy of a completion that comes back after its hand-over to a replica that did
+/// not hand it over (restarted here, so it remembers nothing) is dropped: the hand-over is
+/// recorded in the execution's registry record before the completion is acked. The store
+/// can lose an ack's removal (a full disk) or an end can be routed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_that_comes_back_to_a_restarted_replica_is_not_typed_again() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = comes_back_restarted(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn comes_back_restarted(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::delivery::Completion;
+    use turnstile_shared::subjects;
+    let s = stack.create_session("comes-back-restarted", None).await?;
+    stack.turn_with_a_step_handed_back(&s).await?;
+    let first = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(30)).await?;
+    let build = first[0]
+        .delivery
+        .as_ref()
+        .and_then(|d| d.completions.first())
+        .map(|c| c.execution.clone())
+        .context("the first delivery's completion")?;
+    let rec = stack
+        .exec(&build)
+        .await?
+        .context("the build step's record")?;
+    ensure!(
+        rec.handed_to(&s) == Some(&first[0].id),
+        "the registry records the hand-over: {:?}",
+        rec.handed_over
+    );
+    let lane = stack.lanes.get_mut("a").context("lane replica a")?;
+    lane.restart().await?;
+    stack.wait_serving(true).await?;
+    let copy = Completion::of(&rec)
+        .envelope(&s)?
+        .with_id(format!("{build}:copy"));
+    let broker = stack.js_as("notification-broker").await?;
+    broker
+        .publish(subjects::completion(&s, &build), copy.encode()?)
+        .await?
+        .await?;
+    let t = stack.send(&s, "!step second 200ms\n!sleep 1s").await?;
+    stack.all_complete(std::slice::from_ref(&t)).await?;
+    let deliveries = wait_until(
+        "the second step's delivery",
+        Duration::from_secs(30),
+        || async {
+            let d = stack.delivery_turns(&s).await?;
+            let second = d
+                .iter()
+                .any(|r| r.state.is_terminal() && r.text.contains("second"));
+            Ok(second.then_some(d))
+        },
+    )
+    .await?;
+    let carried = deliveries
+        .iter()
+        .filter(|d| d.state.is_terminal())
+        .flat_map(|d| d.delivery.iter().flat_map(|c| c.completions.iter()))
+        .filter(|c| c.execution == build)
+        .count();
+    ensure!(
+        carried == 1,
+        "the build step's completion was carried {carried} times: {deliveries:?}"
+    );
+    let told = stack
+        .transcript(&s)
+        .await?
+        .iter()
+        .filter(|m| m.contains(build.as_str()))
+        .count();
+    ensure!(
+        told == 1,
+        "the agent was told of the build step {told} times"
+    );
+    // The copy is removed, not left on the stream as a pending completion for ever.
+    wait_until(
+        "the session's completion backlog to empty",
+        Duration::from_secs(15),
+        || async {
+            let left = crate::stack::completion_backlog(stack, &s).await?;
+            Ok((left == 0).then_some(()))
+        },
+    )
+    .await?;
+    Ok(())
+}

@@ -339,6 +339,7 @@ async fn cut_off_start(stack: &Stack) -> Result<()> {
         }),
         token: Some(turnstile_shared::ids::new_secret()),
         children: Vec::new(),
+        handed_over: Vec::new(),
         status: ExecStatus::Queued,
     };
     buckets

@@ -12,7 +12,7 @@ use turnstile_tests::{bin_path, ServiceProcess};
 
 use crate::stack::{listed_steps, report, wait_deliveries, wait_until_tree, Stack};
 
-/// Acceptance 3 (PLAT-100): a step started by a step, and an `external` step reported by a
+/// R6: a step started by a step, and an `external` step reported by a
 /// separate worker process, sit under the turn that started the chain; the turn's tree is not
 /// settled until they are, though the turn itself has ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,7 +160,7 @@ async fn exact_tree(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// Acceptance 5 (PLAT-171): the terminal dies mid-turn. Its `turn`-scoped step is cancelled
+/// R7, R8: the terminal dies mid-turn. Its `turn`-scoped step is cancelled
 /// and its process stopped; its `detached` step runs on, and its completion reaches the
 /// session (the watcher) once the session runs again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -298,7 +298,7 @@ fn process_running(pattern: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// Acceptance 6 (R8): a completion addressed to another session, a step started with another
+/// R8, R15: a completion addressed to another session, a step started with another
 /// session's token, and a forged token are each refused with a clear error and recorded;
 /// nothing is delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,8 @@ use turnstile_shared::{ExecutionId, SessionId};
 
 use crate::stack::{listed_steps, report, Stack};
 
-/// Acceptance 1 and 2 (PLAT-113): a 60 s turn starts 10 steps that all finish within it.
+/// R2, R3: a 60 s turn starts 10 steps that all finish within it; their results wait for the
+/// turn's end and come back in one delivery after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_steps_in_a_long_turn_come_back_in_one_delivery_after_it() -> Result<()> {
     let mut stack = Stack::start(&["a"], &["h1"]).await?;
@@ -124,7 +125,7 @@ async fn ten_steps(stack: &mut Stack, turn_secs: u64) -> Result<()> {
     Ok(())
 }
 
-/// Acceptance 7: 1,000 steps finishing within one turn arrive in ceil(1000 / cap) delivery
+/// R3: 1,000 steps finishing within one turn arrive in ceil(1000 / cap) delivery
 /// turns, each listed exactly once, none lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_steps_arrive_in_as_few_deliveries_as_the_cap_allows() -> Result<()> {
@@ -186,7 +187,7 @@ async fn thousand(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// Acceptance 4 (R3, R14): the broker is SIGKILLed between a step's end and its delivery;
+/// R3, R14: the broker is SIGKILLed between a step's end and its delivery;
 /// then, with the delivery turn completed but its completions not yet acked, the lane replica
 /// (the service that acks them) and the broker are both SIGKILLed. Every result reaches the
 /// agent exactly once.

@@ -7,7 +7,8 @@ use turnstile_tests::wait_until;
 
 use crate::stack::{report, serial_turns, Stack};
 
-/// Acceptance 2: session-lane SIGKILLed while a turn runs, then started again.
+/// R14: session-lane SIGKILLed while a turn runs, then started again; the turn is neither typed
+/// again nor lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_lane_killed_mid_turn_neither_retypes_nor_loses_it() -> Result<()> {
     let mut stack = Stack::start(&["a"], &["h1"]).await?;
@@ -34,7 +35,7 @@ async fn lane_killed(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// Acceptance 3: nats-server SIGKILLed and restarted on its store with messages queued.
+/// R14: nats-server SIGKILLed and restarted on its store with messages queued; none is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_restart_with_queued_messages_loses_none() -> Result<()> {
     let mut stack = Stack::start(&["a"], &["h1"]).await?;
@@ -54,7 +55,7 @@ async fn nats_killed(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// Acceptance 4: two replicas; one serves the session, and its death moves the lane.
+/// R1, R14: two replicas; one serves the session, and its death moves the lane.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_serving_replica_moves_the_lane_to_the_other() -> Result<()> {
     let mut stack = Stack::start(&["a", "b"], &["h1"]).await?;
@@ -208,7 +209,7 @@ async fn graceful(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// Issue 11, fail-over in seconds: with a 60 s pin TTL and ack wait (what protects slow turns),
+/// R14, fail-over in seconds: with a 60 s pin TTL and ack wait (what protects slow turns),
 /// a SIGKILLed replica's lanes are still served by the survivor well before either expires:
 /// the busy lane's item in flight is given back and resumed (typed once, in order), and an
 /// idle lane pinned to the dead replica takes its next turn.
@@ -450,7 +451,7 @@ async fn killed_fast(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// Issue 11, broker fail-over in seconds: a broker replica holding a step's end on the ended
+/// R14, broker fail-over in seconds: a broker replica holding a step's end on the ended
 /// queue (delivered to it, never acked: it is frozen, then SIGKILLed) loses it to the surviving
 /// replica within the broker queues' short ack wait, although the transport ack wait is 60 s.
 /// The end is a cancel (`turnstile cancel`), which only the queue carries: a reported end is
@@ -661,8 +662,9 @@ fn process_with_env(entry: &str) -> bool {
 
 /// A replica taken for dead that was only paused (SIGSTOP: a long GC-like stall or a
 /// partition) is fenced: the survivor serves its lanes meanwhile, and when the paused replica
-/// runs again it finds its liveness key gone and exits with an error instead of acking or
-/// giving back what the survivor now holds. No message is typed twice (R1, R14).
+/// runs again its lease has lapsed (`liveness::lease`), so it neither acks, gives back nor
+/// starts anything for the lane it lost before finding its liveness key gone and exiting with
+/// an error. No message is typed twice (R1, R14).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_paused_past_its_liveness_is_fenced_and_exits() -> Result<()> {
     let slow = [
@@ -675,6 +677,7 @@ async fn a_replica_paused_past_its_liveness_is_fenced_and_exits() -> Result<()> 
 }
 
 async fn paused_fenced(stack: &mut Stack) -> Result<()> {
+    use futures::StreamExt;
     let s = stack.create_session("fenced", None).await?;
     let warm = stack.send(&s, "warm-up\n!reply ok").await?;
     stack.wait_turn(&warm, Duration::from_secs(20)).await?;
@@ -683,11 +686,36 @@ async fn paused_fenced(stack: &mut Stack) -> Result<()> {
     let texts = ["fence 0\n!sleep 2s", "fence 1\n!sleep 500ms"];
     let turns = stack.send_all(&s, &texts).await?;
     stack.wait_running(&turns[0]).await?;
+    // Every lane item a delivered so far has a consumer sequence up to this one: an ack,
+    // nak or progress ack on one of those after it resumes could only come from a.
+    let consumer = turnstile_shared::subjects::lane_consumer(&s);
+    let a_delivered = stack
+        .js
+        .get_stream(turnstile_shared::subjects::LANE_STREAM)
+        .await?
+        .consumer_info(&consumer)
+        .await?
+        .delivered
+        .consumer_sequence;
     let a = stack.freeze_lane("a")?;
     stack
         .all_complete_within(&turns, Duration::from_secs(15))
         .await?;
     ensure!(server_of(stack, &s).await? == "b", "b serves the lane");
+    // What a resumed a might say for the lane it lost: acks of its items, and turns it
+    // starts (every dispatch announces `turn.started` with its replica first).
+    let mut acks = stack
+        .client
+        .subscribe(format!(
+            "$JS.ACK.{}.{consumer}.>",
+            turnstile_shared::subjects::LANE_STREAM
+        ))
+        .await?;
+    let mut events = stack
+        .client
+        .subscribe(turnstile_shared::subjects::session_events(&s))
+        .await?;
+    stack.client.flush().await?;
     crate::stack::signal(a, rustix::process::Signal::CONT)?;
     let status = stack
         .lanes
@@ -706,10 +734,39 @@ async fn paused_fenced(stack: &mut Stack) -> Result<()> {
         "the fenced replica did not say why it stopped:\n{}",
         said.lines().rev().take(40).collect::<Vec<_>>().join("\n")
     );
+    // Whatever a sent before its connection closed has reached the server by now; one round
+    // trip of ours lets the server pass it on.
+    stack.client.flush().await?;
+    let mut a_acks = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), acks.next()).await {
+        if ack_consumer_seq(&m.subject, &consumer).is_some_and(|c| c <= a_delivered) {
+            a_acks.push(String::from_utf8_lossy(&m.payload).into_owned());
+        }
+    }
+    ensure!(
+        a_acks.is_empty(),
+        "the fenced replica acked items of the lane it lost: {a_acks:?}"
+    );
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), events.next()).await {
+        let body = String::from_utf8_lossy(&m.payload);
+        ensure!(
+            !(m.subject.ends_with("turn.started") && body.contains("\"replica\":\"a\"")),
+            "the fenced replica started a turn on the lane it lost: {body}"
+        );
+    }
     let mut typed = vec!["warm-up\n!reply ok".to_string()];
     typed.extend(texts.iter().map(|t| t.to_string()));
     stack.typed_exactly_once(&s, &typed).await?;
     Ok(())
+}
+
+/// The consumer sequence of a lane ack subject
+/// (`$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>`,
+/// with a domain and account hash before the stream in the longer form).
+fn ack_consumer_seq(subject: &str, consumer: &str) -> Option<u64> {
+    let tokens: Vec<&str> = subject.split('.').collect();
+    let at = tokens.iter().position(|t| *t == consumer)?;
+    tokens.get(at + 3)?.parse().ok()
 }
 
 /// R1 across a NATS restart: an idle lane's waiting pull request dies with the server, and

@@ -1,4 +1,4 @@
-//! Many hosts (issue 5, started): sessions spread over live hosts, and a host whose heartbeat
+//! Many hosts: sessions spread over live hosts, and a host whose heartbeat
 //! lapses fails only its own sessions' turns, with a named error instead of a wait (R9).
 
 use std::collections::HashSet;
@@ -98,7 +98,7 @@ async fn host_list(stack: &Stack) -> Result<Vec<turnstile_shared::api::HostView>
     .await?)
 }
 
-/// Issue 5, acceptance 3: the agent exits while idle. An event with evidence comes within 2 s;
+/// R9: the agent exits while idle. An event with evidence comes within 2 s;
 /// the next turn goes to the resumed agent, in the same conversation, never into the dead one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_dying_while_idle_is_reported_with_evidence() -> Result<()> {
@@ -148,7 +148,7 @@ async fn idle_death(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// Issue 5, acceptance 1 (PLAT-067): a run's background step completes while the session's
+/// R9, R12: a run's background step completes while the session's
 /// tmux server is dead, and the resume is made to fail. The run ends `failed` with
 /// `parent_transport_unavailable` and evidence, within the ready timeout; the step's result
 /// stays pending; a retry once the terminal can come back hands it over without re-running it.
@@ -165,21 +165,24 @@ async fn a_dead_terminal_fails_the_run_with_evidence_and_a_retry_delivers() -> R
         &[("TURNSTILE_MOCK_FAIL_RESUME_FILE", &flag_s)],
     )
     .await?;
-    let r = plat_067(&mut stack, Some(&flag)).await;
+    let r = dead_terminal_under_a_run(&mut stack, Some(&flag)).await;
     let _ = std::fs::remove_file(&flag);
     report(&stack, r)
 }
 
-/// Issue 5, acceptance 2: the same with a resume that succeeds: the run goes on in the same
+/// R9: the same with a resume that succeeds: the run goes on in the same
 /// conversation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_terminal_is_resumed_once_and_the_run_goes_on() -> Result<()> {
     let mut stack = Stack::start(&["a"], &["h1"]).await?;
-    let r = plat_067(&mut stack, None).await;
+    let r = dead_terminal_under_a_run(&mut stack, None).await;
     report(&stack, r)
 }
 
-async fn plat_067(stack: &mut Stack, fail_resume: Option<&std::path::Path>) -> Result<()> {
+async fn dead_terminal_under_a_run(
+    stack: &mut Stack,
+    fail_resume: Option<&std::path::Path>,
+) -> Result<()> {
     use turnstile_shared::runs::RunState;
     use turnstile_shared::ExecutionId;
     let s = stack.create_session("plat-067", None).await?;
@@ -305,7 +308,7 @@ async fn plat_067(stack: &mut Stack, fail_resume: Option<&std::path::Path>) -> R
     Ok(())
 }
 
-/// Issue 5, acceptance 5: the transport agent is SIGKILLed and restarted while its agents sit
+/// R14: the transport agent is SIGKILLed and restarted while its agents sit
 /// idle. It re-adopts their panes on its private tmux socket (no relaunch), and the next turns
 /// go into the same conversations.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

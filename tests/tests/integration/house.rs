@@ -1,7 +1,11 @@
 //! The house rules, checked on the checkout itself so they stay true: every rule in
-//! `docs/rules.md` names tests that exist, no doc points outside the repository, no code
-//! matches an API error code or spells an event kind outside its registry, and no source file
-//! grows past 600 lines. No NATS needed.
+//! `docs/rules.md` names tests that exist, no doc points outside the repository, every link
+//! of the docs resolves and the README stays a short guide, no code
+//! matches an API error code or spells an event kind outside its registry, no source file
+//! grows past 600 lines, and no two files of a crate import each other, even through others
+//! (`house/imports.rs` finds the cycles). No NATS needed.
+
+mod imports;
 
 use std::path::{Path, PathBuf};
 
@@ -142,6 +146,84 @@ fn docs_point_only_inside_the_repository() -> Result<()> {
     Ok(())
 }
 
+/// The README is a guide, not a diary: measurements go to `docs/bench-history.jsonl`.
+const README_MAX_LINES: usize = 250;
+
+/// GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, ' ' | '-' | '_'))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The anchors of a markdown file's headings (outside code blocks).
+fn anchors(text: &str) -> Vec<String> {
+    let mut in_code = false;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("```") {
+            in_code = !in_code;
+        } else if !in_code && line.starts_with('#') {
+            out.push(slug(line.trim_start_matches('#')));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_readme_is_a_short_guide_and_every_doc_link_resolves() -> Result<()> {
+    let root = root();
+    let readme = std::fs::read_to_string(root.join("README.md")).context("README.md")?;
+    let lines = readme.lines().count();
+    ensure!(
+        lines < README_MAX_LINES,
+        "README.md has {lines} lines (under {README_MAX_LINES}: measurements go to docs/bench-history.jsonl, method to docs/benchmarks.md)"
+    );
+    let mut docs = vec![root.join("README.md")];
+    for entry in std::fs::read_dir(root.join("docs"))? {
+        docs.push(entry?.path());
+    }
+    let mut broken = Vec::new();
+    for doc in docs
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+    {
+        let text = std::fs::read_to_string(doc)?;
+        let dir = doc.parent().unwrap_or(&root);
+        for link in text.split("](").skip(1) {
+            let target = link.split([')', ' ', '\n']).next().unwrap_or_default();
+            if target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let (path, anchor) = target.split_once('#').unwrap_or((target, ""));
+            let file = if path.is_empty() {
+                doc.clone()
+            } else {
+                dir.join(path)
+            };
+            let shown = doc.strip_prefix(&root).unwrap_or(doc).display();
+            if !file.exists() {
+                broken.push(format!("{shown}: {target} (no such file)"));
+            } else if !anchor.is_empty() && file.extension().is_some_and(|e| e == "md") {
+                let text = std::fs::read_to_string(&file)?;
+                if !anchors(&text).iter().any(|a| a == anchor) {
+                    broken.push(format!("{shown}: {target} (no such heading)"));
+                }
+            }
+        }
+    }
+    ensure!(
+        broken.is_empty(),
+        "links that do not resolve:\n{}",
+        broken.join("\n")
+    );
+    Ok(())
+}
+
 #[test]
 fn codes_and_kinds_are_spelled_only_in_their_registries() -> Result<()> {
     let kinds: Vec<String> = EventKind::all().map(|k| format!("\"{k}\"")).collect();
@@ -194,6 +276,139 @@ fn no_source_file_grows_past_the_limit() -> Result<()> {
         long.is_empty(),
         "files over {MAX_LINES} lines (split them):\n{}",
         long.join("\n")
+    );
+    Ok(())
+}
+
+/// Every crate of the workspace: a directory with a `Cargo.toml` and a `src/`.
+fn crate_dirs(root: &Path) -> Result<Vec<PathBuf>> {
+    let mut dirs = Vec::new();
+    for parent in [root.to_path_buf(), root.join("services")] {
+        for entry in
+            std::fs::read_dir(&parent).with_context(|| format!("read {}", parent.display()))?
+        {
+            let dir = entry?.path();
+            if dir.join("Cargo.toml").is_file() && dir.join("src").is_dir() {
+                dirs.push(dir);
+            }
+        }
+    }
+    dirs.sort();
+    Ok(dirs)
+}
+
+#[test]
+fn no_import_cycles_between_files() -> Result<()> {
+    let root = root();
+    let mut paths = Vec::new();
+    for dir in crate_dirs(&root)? {
+        rust_files(&dir.join("src"), &mut paths)?;
+    }
+    ensure!(paths.len() > 100, "found only {} source files", paths.len());
+    let files = paths
+        .iter()
+        .map(|p| {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?;
+            let rel = p.strip_prefix(&root).unwrap_or(p).display().to_string();
+            Ok((rel, text))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cycles = imports::import_cycles(&files)?;
+    ensure!(
+        cycles.is_empty(),
+        "files that import each other (move what an edge names so the edges go one way):\n{}",
+        cycles.iter().map(ToString::to_string).collect::<String>()
+    );
+    Ok(())
+}
+
+fn planted(files: &[(&str, &str)]) -> Vec<(String, String)> {
+    files
+        .iter()
+        .map(|(p, t)| ((*p).to_string(), (*t).to_string()))
+        .collect()
+}
+
+#[test]
+fn the_cycle_finder_reports_planted_cycles_and_passes_acyclic_files() -> Result<()> {
+    // a.rs names `crate::Thing`, which lib.rs re-exports from b.rs, and b.rs imports a.rs's
+    // Helper; in `up`, the parent names its child's item and the child names the parent's.
+    let cyclic = planted(&[
+        (
+            "fake/src/lib.rs",
+            "mod a;\nmod b;\nmod up;\npub use b::Thing;\n",
+        ),
+        (
+            "fake/src/a.rs",
+            "pub struct Helper;\npub fn make() -> crate::Thing {\n    crate::Thing(Helper)\n}\n",
+        ),
+        (
+            "fake/src/b.rs",
+            "use crate::a::Helper;\npub struct Thing(pub Helper);\n",
+        ),
+        (
+            "fake/src/up/mod.rs",
+            "mod child;\npub struct Shared;\npub fn run() { child::go(); }\n",
+        ),
+        (
+            "fake/src/up/child.rs",
+            "pub fn go() { let _ = super::Shared; }\n",
+        ),
+    ]);
+    let cycles = imports::import_cycles(&cyclic)?;
+    let shown: String = cycles.iter().map(ToString::to_string).collect();
+    ensure!(cycles.len() == 2, "want 2 cycles, found:\n{shown}");
+    ensure!(
+        cycles[0].files == ["fake/src/a.rs", "fake/src/b.rs"],
+        "first cycle: {shown}"
+    );
+    ensure!(
+        cycles[1].files == ["fake/src/up/child.rs", "fake/src/up/mod.rs"],
+        "second cycle: {shown}"
+    );
+    for named in [
+        "fake/src/a.rs -> fake/src/b.rs: fake/src/a.rs:2 crate::Thing",
+        "fake/src/b.rs -> fake/src/a.rs: fake/src/b.rs:1 crate::a::Helper",
+        "fake/src/up/child.rs -> fake/src/up/mod.rs: fake/src/up/child.rs:1 super::Shared",
+        "fake/src/up/mod.rs -> fake/src/up/child.rs: fake/src/up/mod.rs:3 child::go",
+    ] {
+        ensure!(shown.contains(named), "no {named:?} in:\n{shown}");
+    }
+
+    // The same crate with the edges going one way: b.rs keeps its own Helper; the names in a
+    // comment, a string, a test module and a pure re-export are not edges; the child names
+    // only a sibling.
+    let acyclic = planted(&[
+        (
+            "fake/src/lib.rs",
+            "mod a;\nmod b;\nmod up;\npub use b::Thing;\n",
+        ),
+        (
+            "fake/src/a.rs",
+            "pub fn make() -> crate::Thing {\n    crate::Thing(crate::b::Helper)\n}\n",
+        ),
+        (
+            "fake/src/b.rs",
+            "// crate::a::make\npub struct Helper;\npub struct Thing(pub Helper);\n\
+             const S: &str = \"crate::a::make\";\n\
+             #[cfg(test)]\nmod tests {\n    use crate::a::make;\n}\n",
+        ),
+        (
+            "fake/src/up/mod.rs",
+            "mod child;\nmod shared;\npub use child::go;\npub fn run() { go(); }\n",
+        ),
+        ("fake/src/up/shared.rs", "pub struct Shared;\n"),
+        (
+            "fake/src/up/child.rs",
+            "pub fn go() { let _ = super::shared::Shared; }\n",
+        ),
+    ]);
+    let cycles = imports::import_cycles(&acyclic)?;
+    ensure!(
+        cycles.is_empty(),
+        "acyclic files reported:\n{}",
+        cycles.iter().map(ToString::to_string).collect::<String>()
     );
     Ok(())
 }

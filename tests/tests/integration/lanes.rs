@@ -8,7 +8,8 @@ use turnstile_shared::records::TurnState;
 
 use crate::stack::{report, serial_turns, Stack};
 
-/// Acceptance 1: three sessions, five messages each, sent at once.
+/// R1: three sessions, five messages each, sent at once; each runs one turn at a time, in the
+/// order sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_sessions_run_their_turns_one_at_a_time_in_send_order() -> Result<()> {
     let mut stack = Stack::start(&["a"], &["h1"]).await?;

@@ -127,15 +127,7 @@ async fn busy(stack: &mut Stack) -> Result<()> {
     stack.send(&s, "never typed").await?;
     // A run cancelled while it waits on the lane ends at once, and says so.
     let waiting = stack.start_run(&s, &["never run"], None).await?;
-    let _: serde_json::Value = api::call(
-        &stack.client,
-        subj::RUNS_CANCEL,
-        &RunRef {
-            run: waiting.id.clone(),
-        },
-        crate::stack::API,
-    )
-    .await?;
+    stack.cancel_run(&waiting.id).await?;
     let ended = stack
         .events()
         .await?

@@ -8,7 +8,7 @@ use turnstile_shared::runs::RunState;
 
 use crate::stack::{listed_steps, report, Stack};
 
-/// Issue 4, acceptance 1 (seed 004 / PLAT-361): the agent is asked to work through 12 groups,
+/// R5, R12: the agent is asked to work through 12 groups,
 /// starting one step per turn and ending the turn. The run drives all 12 (one results turn per
 /// group) and completes only when a turn starts nothing: 13 rounds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -300,7 +300,7 @@ async fn lane_killed_mid_run(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// Issue 4, background agents: step kind `agent` runs its prompt in a new session on the
+/// R5, background agents: step kind `agent` runs its prompt in a new session on the
 /// parent's host as a run (R5), completes with the agent's final reply only after the steps it
 /// started are done and handed back to it, and its completion reaches the owner session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,7 @@ use turnstile_shared::schedules::{Overlap, SlotOutcome};
 
 use crate::stack::{listed_steps, report, schedule, Stack};
 
-/// Issue 4, acceptance 2 (seed 001 / PLAT-113): a schedule firing every 20 s whose runs each
+/// R5, R11: a schedule firing every 20 s whose runs each
 /// start several background steps during a long turn. Three consecutive slots all fire, none
 /// is skipped, no run hits idle_timeout, and each run hands its results over in one batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,7 +65,7 @@ async fn three_slots(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
-/// Issue 4, acceptance 3: overlap `skip` with a run longer than the period records `skipped`
+/// R11: overlap `skip` with a run longer than the period records `skipped`
 /// slots naming the running run; `buffer_one` runs exactly one buffered slot afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_slots_skip_or_buffer_one() -> Result<()> {

@@ -1181,6 +1181,16 @@ impl Stack {
         Ok(api::call(&self.client, subj::RUNS_START, &req, API).await?)
     }
 
+    /// Asks for the run to be cancelled (R7): a queued run ends at once, a running one at its
+    /// next boundary. Returns the record as the cancel left it.
+    pub async fn cancel_run(
+        &self,
+        run: &turnstile_shared::RunId,
+    ) -> Result<turnstile_shared::runs::RunRecord> {
+        let req = turnstile_shared::runs::RunRef { run: run.clone() };
+        Ok(api::call(&self.client, subj::RUNS_CANCEL, &req, API).await?)
+    }
+
     /// Waits (on the run's KV key) until it has ended.
     pub async fn wait_run(
         &self,

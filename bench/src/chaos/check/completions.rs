@@ -8,7 +8,8 @@ use turnstile_shared::delivery::routes_completions;
 use turnstile_shared::records::TurnState;
 use turnstile_shared::{ExecutionId, SessionId, TurnId};
 
-use super::{starting_turn, History, Violation};
+use super::super::history::{starting_turn, History};
+use super::violation::Violation;
 
 pub(super) fn check(history: &History, out: &mut Vec<Violation>) {
     let mut carried: HashMap<(SessionId, ExecutionId), Vec<TurnId>> = HashMap::new();

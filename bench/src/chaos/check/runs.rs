@@ -7,7 +7,8 @@ use turnstile_shared::execution::ExecKind;
 use turnstile_shared::records::TurnState;
 use turnstile_shared::runs::RunState;
 
-use super::{starting_turn, History, Violation};
+use super::super::history::{starting_turn, History};
+use super::violation::Violation;
 
 pub(super) fn check(history: &History, out: &mut Vec<Violation>) {
     for run in history.runs.values() {

@@ -5,7 +5,8 @@
 
 use turnstile_shared::execution::{exec_reason, ExecKind, ExecStatus, Scope};
 
-use super::{History, Violation};
+use super::super::history::History;
+use super::violation::Violation;
 
 pub(super) fn check(history: &History, out: &mut Vec<Violation>) {
     for (step, times) in &history.step_starts {

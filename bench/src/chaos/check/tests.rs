@@ -92,6 +92,7 @@ fn clean() -> Clean {
             work: None,
             token: None,
             children: vec![],
+            handed_over: Vec::new(),
             status: ExecStatus::Completed {
                 started_at: Some(at(1)),
                 ended_at: at(3),

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 
 use turnstile_shared::records::TurnState;
 
-use super::{History, Violation};
+use super::super::history::History;
+use super::violation::Violation;
 
 pub(super) fn check(history: &History, out: &mut Vec<Violation>) {
     // A message text typed by two turns of one session cannot be told apart: not counted.

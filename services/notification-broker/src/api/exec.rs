@@ -10,9 +10,9 @@ use turnstile_shared::principal::Principal;
 use turnstile_shared::step_api::{Cancelled, Ended, ExecRef, TreeNode};
 use turnstile_shared::ExecutionId;
 
+use crate::ctx::Ctx;
 use crate::owned::{self, StopError};
 use crate::registry::{self, Reach};
-use crate::Ctx;
 
 /// Whether `principal` may see and cancel `record`: an operator any execution, a session its
 /// own and those whose completions it receives, a step those of its session. An agent's NATS

@@ -13,7 +13,7 @@ use async_nats::service::ServiceExt;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::subjects;
 
-use crate::{Ctx, Error};
+use crate::ctx::{Ctx, Error};
 
 /// Serves both groups until `shutdown` is cancelled.
 pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Error> {

@@ -21,8 +21,8 @@ use turnstile_shared::step_api::{
 use turnstile_shared::{subjects, ExecutionId, StepId};
 
 use crate::auth::{authenticate, same_secret, Identity};
+use crate::ctx::Ctx;
 use crate::step_events::step_event;
-use crate::Ctx;
 use crate::{owned, registry};
 
 const MAX_NAME: usize = 200;
@@ -202,6 +202,7 @@ pub(super) async fn start(
         work: Some(work.clone()),
         token: Some(new_secret()),
         children: Vec::new(),
+        handed_over: Vec::new(),
         status: ExecStatus::Queued,
     };
     // Index first, then the record: a crash between leaves a dangling index entry (skipped

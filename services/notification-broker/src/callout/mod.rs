@@ -7,6 +7,7 @@
 //! connections are ended by [`revoke`], and every credential expires after its TTL anyway.
 
 mod claims;
+mod error;
 mod revoke;
 
 use std::sync::Arc;
@@ -19,7 +20,8 @@ use turnstile_shared::step_api::Caller;
 use turnstile_shared::subjects::api as subj;
 
 use crate::auth::{authenticate, Identity};
-use crate::Ctx;
+use crate::ctx::Ctx;
+pub use error::CalloutError;
 
 /// How the broker answers auth callouts.
 #[derive(Clone)]
@@ -44,19 +46,6 @@ impl std::fmt::Debug for CalloutConfig {
             .field("system_url", &self.system_url.as_ref().map(|_| "<set>"))
             .finish()
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum CalloutError {
-    #[error("the auth callout issuer seed: {0}")]
-    Seed(String),
-    #[error("subscribe to {subject}: {source}")]
-    Subscribe {
-        subject: &'static str,
-        source: async_nats::SubscribeError,
-    },
-    #[error(transparent)]
-    Connect(#[from] turnstile_shared::config::StartError),
 }
 
 /// The signing key from an account seed (`SA…`): the one check of it, for the broker and

@@ -12,8 +12,8 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::events::EventKind;
 use turnstile_shared::subjects::{self, api as subj};
 
-use super::CalloutError;
-use crate::Ctx;
+use super::error::CalloutError;
+use crate::ctx::Ctx;
 
 /// How long to gather the servers' answers: each server answers once, at once.
 const GATHER_QUIET: Duration = Duration::from_millis(250);

@@ -29,7 +29,7 @@ use turnstile_shared::kv::KvError;
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::{subjects, SessionId};
 
-use crate::Ctx;
+use crate::ctx::Ctx;
 
 /// A delivery marker this end created, whose item is not out yet.
 pub(super) type Owed = (SessionId, DeliveryMarker, u64);

@@ -24,13 +24,14 @@ use turnstile_shared::{consume, subjects, topology};
 use crate::registry::{self, Reach};
 
 mod armed;
+mod attempts;
 mod early;
 mod inline;
+use crate::ctx::Ctx;
 use crate::step_events::step_envelope;
-use crate::Ctx;
 pub(crate) use armed::ArmedSessions;
+pub(crate) use attempts::Inline;
 use early::{Early, Ending, Owed};
-pub(crate) use inline::Inline;
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     consume::until_shutdown("ended queue", &shutdown, || consume(&ctx, &shutdown)).await
@@ -79,7 +80,7 @@ async fn handle(ctx: &Arc<Ctx>, msg: jetstream::Message) {
         // replica that took the report is recording it right now and removes the message
         // once it has. Given back for a moment; it comes back only if that did not happen.
         None if ended.known.is_some() && msg.info().is_ok_and(|i| i.delivered <= 1) => {
-            let _ = msg.ack_with(AckKind::Nak(Some(inline::GRACE))).await;
+            let _ = msg.ack_with(AckKind::Nak(Some(attempts::GRACE))).await;
             return;
         }
         None => {}

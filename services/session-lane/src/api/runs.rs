@@ -79,7 +79,7 @@ pub(super) async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord,
     let env = item.to_envelope(&session.id).map_err(ApiError::internal)?;
     events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     let ev = session_event(
         EventKind::RunQueued,
         &session.id,
@@ -90,7 +90,7 @@ pub(super) async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord,
     .with_id(format!("{id}:run.queued"));
     events::publish(&ctx.js, &ev)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     Ok(record)
 }
 
@@ -240,7 +240,7 @@ pub(super) async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, A
     let env = item.to_envelope(&session.id).map_err(ApiError::internal)?;
     events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     let ev = session_event(
         EventKind::RunRetried,
         &session.id,
@@ -251,6 +251,6 @@ pub(super) async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, A
     .with_id(format!("{}:run.retried:{}", next.id, next.attempt));
     events::publish(&ctx.js, &ev)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     Ok(next)
 }

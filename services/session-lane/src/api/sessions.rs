@@ -140,7 +140,7 @@ pub(super) async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionR
     // The consumer first: a replica that sees the record starts pulling from it at once.
     topology::ensure_lane_consumer(&ctx.js, &ctx.topology, &record.id)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     ctx.buckets
         .sessions
         .create(record.id.as_str(), &record)
@@ -162,7 +162,7 @@ pub(super) async fn create(ctx: Arc<Ctx>, req: CreateSession) -> Result<SessionR
     .map_err(ApiError::internal)?;
     events::publish(&ctx.js, &ev)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     Ok(record.redacted())
 }
 
@@ -174,7 +174,7 @@ pub(super) async fn active_session(ctx: &Ctx, id: &SessionId) -> Result<SessionR
             format!("session {id} is stopped"),
         )),
         Ok(None) => Err(ApiError::not_found(format!("no session {id}"))),
-        Err(e) => Err(ApiError::internal(e)),
+        Err(e) => Err(ApiError::from(e)),
     }
 }
 
@@ -190,15 +190,7 @@ pub(super) async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, Api
     }
     let session = active_session(&ctx, &req.session).await?;
     let turn = req.turn.unwrap_or_default();
-    let record = TurnRecord {
-        id: turn.clone(),
-        session: session.id.clone(),
-        text: req.text.clone(),
-        queued_at: Utc::now(),
-        delivery: None,
-        parent: None,
-        state: TurnState::Queued,
-    };
+    let record = TurnRecord::queued(turn.clone(), session.id.clone(), req.text.clone());
     let (record, revision) = match ctx
         .buckets
         .turns
@@ -212,7 +204,7 @@ pub(super) async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, Api
         None => match ctx.buckets.turns.get::<TurnRecord>(turn.as_str()).await {
             Ok(Some((r, _))) if r.session == session.id => (r, None),
             Ok(_) => return Err(ApiError::bad_request(format!("turn id {turn} is taken"))),
-            Err(e) => return Err(ApiError::internal(e)),
+            Err(e) => return Err(ApiError::from(e)),
         },
     };
     // `turn.queued` before the item, so no reader sees a turn start before it was queued.
@@ -225,7 +217,7 @@ pub(super) async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, Api
     .map_err(ApiError::internal)?;
     events::publish(&ctx.js, &ev)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     let item = match revision {
         Some(rev) => TurnItem::of_record(&record, rev),
         None => TurnItem {
@@ -239,7 +231,7 @@ pub(super) async fn send(ctx: Arc<Ctx>, req: SendTurn) -> Result<TurnRecord, Api
         .map_err(ApiError::internal)?;
     events::publish_durable(&ctx.js, subjects::lane(&session.id), &item, None)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     // A stop that ran between the check above and this publish has already drained the lane:
     // drain again, so this turn fails rather than waiting forever on a stopped session (R13).
     if let Err(e) = active_session(&ctx, &session.id).await {
@@ -275,7 +267,7 @@ pub(super) async fn stop(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionRecord
         .map_err(ApiError::internal)?;
     events::publish(&ctx.js, &ev)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::from)?;
     Ok(record.redacted())
 }
 
@@ -317,13 +309,13 @@ async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
         .js
         .get_stream_no_info(subjects::LANE_STREAM)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::failure)?;
     let subject = subjects::lane(session);
     // From above the ack floor: a done item whose removal was lost is no turn to fail (its
     // record may be gone by its retention, and would be written again).
     let mut seq = turnstile_shared::lane::undone_from(&stream, session)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::failure_boxed)?
         - 1;
     loop {
         let msg = match stream
@@ -334,7 +326,7 @@ async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
             Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
                 break
             }
-            Err(e) => return Err(ApiError::internal(e)),
+            Err(e) => return Err(ApiError::failure(e)),
         };
         seq = msg.sequence;
         let Ok(LaneItem::Turn(item)) = LaneItem::decode(&msg.payload, session) else {
@@ -361,19 +353,19 @@ async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), ApiError> {
                 }),
             })
             .await
-            .map_err(ApiError::internal)?;
+            .map_err(ApiError::from)?;
         if let Some(rec) = rec {
             let ev = crate::handoff::outcome_event(&rec).map_err(ApiError::internal)?;
             events::publish(&ctx.js, &ev)
                 .await
-                .map_err(ApiError::internal)?;
+                .map_err(ApiError::from)?;
         }
     }
     stream
         .purge()
         .filter(subject)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::failure)?;
     match stream
         .delete_consumer(&subjects::lane_consumer(session))
         .await
@@ -422,7 +414,7 @@ pub(super) async fn show(ctx: Arc<Ctx>, req: SessionRef) -> Result<SessionView, 
     {
         Ok(Some((r, _))) => r,
         Ok(None) => return Err(ApiError::not_found(format!("no session {}", req.session))),
-        Err(e) => return Err(ApiError::internal(e)),
+        Err(e) => return Err(ApiError::from(e)),
     };
     let hosts = live_hosts(&ctx).await?;
     view(&ctx, record, &hosts).await
@@ -448,7 +440,7 @@ async fn view(
             .js
             .get_stream_no_info(subjects::LANE_STREAM)
             .await
-            .map_err(ApiError::internal)?;
+            .map_err(ApiError::failure)?;
         if let Ok(info) = stream
             .consumer_info(subjects::lane_consumer(&record.id))
             .await
@@ -485,14 +477,14 @@ async fn completion_backlog(ctx: &Ctx, session: &SessionId) -> Result<u64, ApiEr
         .js
         .get_stream_no_info(subjects::COMPLETION_STREAM)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::failure)?;
     let mut per_subject = stream
         .info_with_subjects(subjects::completion_session_all(session))
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::failure)?;
     let mut total = 0u64;
     while let Some(entry) = futures::StreamExt::next(&mut per_subject).await {
-        total += entry.map_err(ApiError::internal)?.1 as u64;
+        total += entry.map_err(ApiError::failure)?.1 as u64;
     }
     Ok(total)
 }
@@ -561,5 +553,5 @@ async fn command<T: serde::Serialize>(
         .with_id(format!("{session}:{name}"));
     events::publish_durable(&ctx.js, subjects::transport(host, name), &env, None)
         .await
-        .map_err(ApiError::internal)
+        .map_err(ApiError::from)
 }

@@ -1,8 +1,9 @@
 //! Whether a fetched completion may be handed over now (R8, R12): only to a session that
 //! owns or watches its execution, and only once the registry holds the execution's end,
-//! saying what the registry says. Answered from this replica's view of recent ends when it
-//! admits the completion (`crate::ended_view`), else by a read; a completion stored beside
-//! its end's write is read again until the end lands.
+//! saying what the registry says, and never to a session a completed turn handed it to
+//! already. Answered from this replica's view of recent ends when it admits the completion
+//! (`crate::ended_view`), else by a read; a completion stored beside its end's write is read
+//! again until the end lands.
 
 use std::time::Duration;
 
@@ -18,6 +19,9 @@ pub(super) enum Refusal {
     /// The registry does not hold its execution's end yet: its router stores the completion
     /// beside the end's write, which may land a moment later (or fail, and be redone).
     NotEnded,
+    /// A completed turn of this session carried it already (the registry says which): a
+    /// copy that came back is dropped, never typed again (R3, R14).
+    HandedOver(turnstile_shared::TurnId),
     Reject(String),
 }
 
@@ -75,7 +79,12 @@ async fn check(
         .await
         .map_err(Refusal::Retry)?;
     match record {
-        Some((r, _)) if r.may_receive(session) && r.status.is_terminal() => Ok(Completion::of(&r)),
+        Some((r, _)) if r.may_receive(session) && r.status.is_terminal() => {
+            match r.handed_to(session) {
+                Some(turn) => Err(Refusal::HandedOver(turn.clone())),
+                None => Ok(Completion::of(&r)),
+            }
+        }
         Some((r, _)) if r.may_receive(session) => Err(Refusal::NotEnded),
         Some((r, _)) => Err(Refusal::Reject(format!(
             "execution {} belongs to {}; session {session} neither owns nor watches it",

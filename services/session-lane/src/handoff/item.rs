@@ -44,7 +44,7 @@ pub(crate) async fn acked(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::M
 /// connection is closed (so the item cannot come straight back to one of its pull requests);
 /// otherwise (the session was stopped) it is sent at once.
 pub(crate) async fn release(ctx: &Ctx, msg: &jetstream::Message) {
-    if ctx.fenced.is_cancelled() {
+    if ctx.fenced.is_cancelled() || ctx.lease.hold().await.is_err() {
         // A survivor gave it back already and may hold it now.
         return;
     }
@@ -55,6 +55,14 @@ pub(crate) async fn release(ctx: &Ctx, msg: &jetstream::Message) {
         }
     }
     let _ = msg.ack_with(AckKind::Nak(None)).await;
+}
+
+/// Gives a lane item back for another try after `delay`, under this replica's lease (never
+/// once it may have lost the lane: the survivor holds the item now).
+pub(crate) async fn retry_later(ctx: &Ctx, msg: &jetstream::Message, delay: std::time::Duration) {
+    if ctx.lease.hold().await.is_ok() {
+        let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+    }
 }
 
 /// R15: a lane item this build cannot take goes to the dead-letter subject with the reason, an

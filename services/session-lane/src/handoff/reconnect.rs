@@ -23,6 +23,8 @@ pub(crate) async fn double_ack(
     ctx: &Ctx,
     msg: &jetstream::Message,
 ) -> Result<(), async_nats::Error> {
+    // Never for a lane this replica may have lost (`liveness::lease`).
+    ctx.lease.hold().await?;
     let reconnects = ctx.pulls.reconnects();
     match unless_reconnected(reconnects, msg.double_ack()).await {
         Some(acked) => acked,

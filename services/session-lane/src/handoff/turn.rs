@@ -29,6 +29,8 @@ pub(crate) async fn dispatch(
     command: TurnCommand,
     kind: &'static str,
 ) -> Result<(), async_nats::Error> {
+    // Typed only under this replica's lease (`liveness::lease`).
+    ctx.lease.hold().await?;
     let turn = command.turn.clone();
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
     let started = session_event(
@@ -154,11 +156,15 @@ pub(crate) async fn wait_terminal(
                 }
             }
             _ = tick.tick() => {
-                if let Err(e) = msg.ack_with(AckKind::Progress).await {
-                    tracing::debug!(%turn, error = %e, "progress ack");
-                }
-                for h in held {
-                    let _ = h.ack_with(AckKind::Progress).await;
+                // Kept alive only under the lease: a replica that may have lost the lane
+                // touches none of its items (`liveness::lease`).
+                if ctx.lease.held() {
+                    if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                        tracing::debug!(%turn, error = %e, "progress ack");
+                    }
+                    for h in held {
+                        let _ = h.ack_with(AckKind::Progress).await;
+                    }
                 }
                 // Fallback for a watch that missed an update across a reconnect.
                 if let Ok(Some((rec, _))) = ctx.buckets.turns.get::<TurnRecord>(turn.as_str()).await {
@@ -226,6 +232,10 @@ pub(crate) async fn finish(
     msg: &jetstream::Message,
     record: &TurnRecord,
 ) {
+    if ctx.lease.hold().await.is_err() {
+        // Taken over: the survivor finishes the turn from its record.
+        return;
+    }
     observe_end(record);
     let event = end_event(record);
     // The event is sent before the ack (so readers see it before the next turn starts), and

@@ -125,7 +125,11 @@ pub(super) async fn run_delivery(
             }
         }
     };
-    settle(ctx, session, &record, &held).await;
+    if let Err(e) = settle(ctx, session, &record, &held).await {
+        // The hand-over is not recorded, so nothing was acked: the item comes back, finds
+        // its turn ended, and settles it again.
+        return retry(e).await;
+    }
     finish(ctx, session, &msg, &record).await;
 }
 
@@ -136,15 +140,9 @@ fn carrying(
     item: &DeliveryItem,
     carried: &[(Completion, u64)],
 ) -> TurnRecord {
-    TurnRecord {
-        id: turn_id.clone(),
-        session: session.id.clone(),
-        text: delivery::render_batch(&carried.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>()),
-        queued_at: Utc::now(),
-        delivery: Some(delivery::carried(item.delivery.clone(), carried)),
-        parent: None,
-        state: TurnState::Queued,
-    }
+    let text = delivery::render_batch(&carried.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>());
+    TurnRecord::queued(turn_id.clone(), session.id.clone(), text)
+        .carrying(Some(delivery::carried(item.delivery.clone(), carried)))
 }
 
 /// A redelivered item found no record of its turn and nothing to carry: its earlier attempt

@@ -197,6 +197,10 @@ async fn handle_item(
     msg: jetstream::Message,
     cancel: CancellationToken,
 ) {
+    if ctx.lease.hold().await.is_err() {
+        // Taken over while this item came: the survivor was given it back already.
+        return;
+    }
     match LaneItem::decode(&msg.payload, &session.id) {
         Ok(LaneItem::Turn(item)) => turn::run_turn(&ctx, &session, msg, item, &cancel).await,
         Ok(LaneItem::Delivery(item)) => {

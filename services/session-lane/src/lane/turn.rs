@@ -4,14 +4,15 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind};
-use chrono::Utc;
+use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::lane::TurnItem;
 use turnstile_shared::records::{KnownTurn, SessionRecord, TurnCommand, TurnRecord, TurnState};
 
 use crate::ctx::Ctx;
-use crate::handoff::{dispatch, finish, rearm_if_pending, reject, release, wait_terminal, Watch};
+use crate::handoff::{
+    dispatch, finish, rearm_if_pending, reject, release, retry_later, wait_terminal, Watch,
+};
 use turnstile_shared::metrics::item_kind;
 
 /// Serves one `turn` item to its end (or gives it back when the replica stops).
@@ -23,7 +24,6 @@ pub(super) async fn run_turn(
     cancel: &CancellationToken,
 ) {
     let waiter = ctx.turns.wait(&item.turn);
-    let nak = |delay: Option<Duration>| msg.ack_with(AckKind::Nak(delay));
     // A first delivery cannot have an outcome yet, so the hot path dispatches without reading
     // the record (the transport creates or checks it, idempotent by turn id). A redelivery
     // (after a crash or fail-over) looks first: the turn may have ended meanwhile.
@@ -37,7 +37,7 @@ pub(super) async fn run_turn(
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "read turn; retrying");
-                let _ = nak(Some(Duration::from_millis(500))).await;
+                retry_later(ctx, &msg, Duration::from_millis(500)).await;
                 return;
             }
         };
@@ -60,7 +60,7 @@ pub(super) async fn run_turn(
     };
     if let Err(e) = dispatch(ctx, session, &msg, command, item_kind::TURN).await {
         tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
-        let _ = nak(Some(Duration::from_millis(500))).await;
+        retry_later(ctx, &msg, Duration::from_millis(500)).await;
         return;
     }
     let watch = Watch::recorded(&session.host, &item.turn);
@@ -87,15 +87,7 @@ async fn current_record(
     if let Some(found) = ctx.buckets.turns.get::<TurnRecord>(key).await? {
         return Ok(found);
     }
-    let fresh = TurnRecord {
-        id: item.turn.clone(),
-        session: session.id.clone(),
-        text: item.text.clone(),
-        queued_at: Utc::now(),
-        delivery: None,
-        parent: None,
-        state: TurnState::Queued,
-    };
+    let fresh = TurnRecord::queued(item.turn.clone(), session.id.clone(), item.text.clone());
     if let Some(revision) = ctx.buckets.turns.create(key, &fresh).await? {
         return Ok((fresh, revision));
     }

@@ -1,23 +1,38 @@
-//! Replica liveness: how a SIGKILLed replica's lanes are served by another within seconds,
-//! without shortening the ack wait and pin TTL that protect slow turns.
+//! Replica liveness: how a SIGKILLed replica's lanes are served by another in well under a
+//! second, without shortening the ack wait and pin TTL that protect slow turns, and without
+//! ever taking lanes from a replica that is alive.
 //!
 //! Each replica process is an *instance* (`<replica>-<random>`) with a key `live.<instance>`
 //! in the replicas bucket, renewed every [`Timing::interval`] by compare-and-set on its own
-//! revision. Every replica watches those keys. An instance not renewed for
-//! [`Timing::timeout`] is dead: the first survivor to delete its key *at the revision it last
-//! saw* (so a replica that renewed meanwhile is never taken over, and only one survivor wins)
-//! takes its lanes over (`takeover`): for each pin the dead instance recorded, the lane is
-//! unpinned and the item it held in flight is given back, so a survivor's waiting pull gets it
-//! at once instead of after the pin TTL and the ack wait.
+//! revision, and a ping subject it answers on (`probe`). Every replica watches those keys and
+//! pings every peer every [`Timing::probe`]. A peer is dead when
+//! - the server says its connection is gone (pings get *no responders*, twice running) and its
+//!   renewals stopped more than [`Timing::gone_after`] ago: a process that died, detected in
+//!   a few hundred milliseconds; or
+//! - it has not renewed for [`Timing::timeout`], connection or not: a paused or partitioned
+//!   process.
 //!
-//! A replica that finds its own key gone was taken for dead (a pause, a partition): it is
-//! *fenced*: it stops at once without giving anything back (a survivor already did) and the
-//! service returns [`crate::Error::Fenced`], so its supervisor restarts it clean.
+//! The first survivor to delete a dead peer's key *at the revision it last saw* (so a replica
+//! that renewed meanwhile is never taken over, and only one survivor wins) takes its lanes
+//! over (`takeover`): for each pin the dead instance recorded, the lane is unpinned and the
+//! item it held in flight is given back, so a survivor's waiting pull gets it at once instead
+//! of after the pin TTL and the ack wait.
+//!
+//! A replica acts only under its lease (`lease`): within [`Timing::lease`] of sending its last
+//! successful renewal, which both paths above outwait. A replica that finds its own key gone
+//! was taken for dead (a pause, a partition): it is *fenced*: it stops at once without giving
+//! anything back (a survivor already did) and the service returns [`crate::Error::Fenced`], so
+//! its supervisor restarts it clean.
 //!
 //! A watch that stalls (a NATS fail-over) must not make every peer look dead: a peer is judged
 //! only while this replica sees its own renewals come back through the watch; after a gap in
-//! those, every peer gets a fresh timeout.
+//! those, every peer gets a fresh timeout. And the fast path is for a replica that has itself
+//! been connected, watching, for [`Timing::timeout`]: after its own reconnect (a restarted
+//! server drops every replica at once, and they come back at their own pace) a peer not back
+//! yet is judged by silence only.
 
+mod lease;
+mod probe;
 mod takeover;
 
 use std::collections::HashMap;
@@ -30,8 +45,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::subjects;
 
-use crate::ctx::{Ctx, Fenced, Timing};
+use crate::ctx::{Ctx, Timing};
 
+pub(crate) use lease::{Fenced, Lease};
+use probe::Probe;
+use takeover::Evidence;
 pub(crate) use takeover::{depart, forget_pin, record_pin};
 
 /// The value of a `live.<instance>` key (for operators reading the bucket).
@@ -53,11 +71,25 @@ impl turnstile_shared::retention::Retained for Alive {
 struct Peer {
     revision: u64,
     seen: Instant,
+    /// Probes running that found its connection gone (reset by an answer).
+    gone: u32,
 }
 
-/// Renews this instance's key and takes over dead peers until `shutdown`; `Err` when this
-/// replica was fenced (its key was taken by a survivor).
-pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<(), Fenced> {
+/// Consecutive *no responders* that count as a peer's connection gone.
+const GONE_PROBES: u32 = 2;
+
+/// Renews this instance's key, pings and judges peers and takes over dead ones until `stop`;
+/// `Err` when this replica was fenced (its key was taken by a survivor).
+pub(crate) async fn run(ctx: Arc<Ctx>, stop: CancellationToken) -> Result<(), Fenced> {
+    let result = serve(&ctx, &stop).await;
+    match result {
+        Ok(()) => ctx.lease.depart(),
+        Err(Fenced) => ctx.lease.fence(),
+    }
+    result
+}
+
+async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
     let key = subjects::replica_live_key(&ctx.instance);
     let alive = Alive {
         replica: ctx.replica.clone(),
@@ -65,13 +97,27 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<()
         since: chrono::Utc::now(),
     };
     let timing = ctx.liveness;
+    let answering = stop.child_token();
+    let _answering = answering.clone().drop_guard();
+    // Answer pings before announcing: a peer never finds an announced instance unreachable.
+    while let Err(e) = probe::answer(&ctx.client, &ctx.instance, answering.clone()).await {
+        tracing::warn!(error = %e, "answer liveness pings; retrying");
+        crate::bucket_watch::sleep_or_cancel(stop, timing.interval).await;
+        if stop.is_cancelled() {
+            return Ok(());
+        }
+    }
     let mut revision = loop {
+        let sent = Instant::now();
         match ctx.buckets.replicas.put(&key, &alive).await {
-            Ok(r) => break r,
+            Ok(r) => {
+                ctx.lease.renewed(sent);
+                break r;
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "announce replica liveness; retrying");
-                crate::bucket_watch::sleep_or_cancel(&shutdown, timing.interval).await;
-                if shutdown.is_cancelled() {
+                crate::bucket_watch::sleep_or_cancel(stop, timing.interval).await;
+                if stop.is_cancelled() {
                     return Ok(());
                 }
             }
@@ -79,8 +125,13 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<()
     };
     let mut peers: HashMap<String, Peer> = HashMap::new();
     let mut own_seen = Instant::now();
+    // Since when this replica has been connected and watching without a break.
+    let mut settled = Settled::new();
     let mut renew = tokio::time::interval(timing.interval);
     renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ping = tokio::time::interval(timing.probe);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (probed_tx, mut probed) = tokio::sync::mpsc::unbounded_channel::<(String, Probe)>();
     let mut watch = None;
     loop {
         if watch.is_none() {
@@ -94,59 +145,143 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<()
                 Ok(w) => watch = Some(w),
                 Err(e) => tracing::warn!(error = %e, "watch replica liveness; retrying"),
             }
+            settled.broken();
         }
         tokio::select! {
             biased;
-            _ = shutdown.cancelled() => return Ok(()),
+            _ = stop.cancelled() => return Ok(()),
             entry = async {
                 match watch.as_mut() {
                     Some(w) => w.next().await,
                     None => std::future::pending().await,
                 }
             } => match entry {
-                Some(Ok(entry)) => observe(&key, entry, &mut peers, &mut own_seen, timing),
+                Some(Ok(entry)) => {
+                    if observe(&key, entry, &mut peers, &mut own_seen, timing) {
+                        settled.broken();
+                    }
+                }
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, "replica liveness watch; re-watching");
                     watch = None;
                 }
                 None => watch = None,
             },
+            Some((instance, found)) = probed.recv() => {
+                probed_peer(&mut peers, &instance, found);
+            }
             _ = renew.tick() => {
-                match ctx.buckets.replicas.update(&key, &alive, revision).await {
-                    Ok(Some(r)) => revision = r,
-                    Ok(None) => {
-                        tracing::error!(instance = %ctx.instance, "this replica was taken for dead and its lanes taken over; stopping without handing anything back");
-                        return Err(Fenced);
-                    }
-                    Err(e) => tracing::warn!(error = %e, "renew replica liveness"),
-                }
-                sweep(&ctx, &mut peers, own_seen, timing);
+                revision = renew_own(ctx, &key, &alive, revision).await?;
+                settled.check(&ctx.client);
+                sweep(ctx, &mut peers, own_seen, settled.fast(timing), timing);
+            }
+            _ = ping.tick() => {
+                ping_peers(ctx, &peers, &probed_tx);
+                settled.check(&ctx.client);
+                sweep(ctx, &mut peers, own_seen, settled.fast(timing), timing);
             }
         }
     }
 }
 
-/// One watch entry: a peer's renewal or departure, or our own renewal coming back.
+/// Since when this replica has been connected and watching its peers without a break: the
+/// fast path is trusted only after [`Timing::timeout`] of that.
+struct Settled(Instant);
+
+impl Settled {
+    fn new() -> Self {
+        Self(Instant::now())
+    }
+
+    /// The connection or the watch was just (re)made, or our own renewals stalled.
+    fn broken(&mut self) {
+        self.0 = Instant::now();
+    }
+
+    fn check(&mut self, client: &async_nats::Client) {
+        if client.connection_state() != async_nats::connection::State::Connected {
+            self.broken();
+        }
+    }
+
+    /// Whether a peer gone from the server may be judged on that now.
+    fn fast(&self, timing: Timing) -> bool {
+        self.0.elapsed() > timing.timeout
+    }
+}
+
+/// One renewal by compare-and-set: the new revision, or `Err(Fenced)` when the key was taken.
+async fn renew_own(ctx: &Ctx, key: &str, alive: &Alive, revision: u64) -> Result<u64, Fenced> {
+    let sent = Instant::now();
+    match ctx.buckets.replicas.update(key, alive, revision).await {
+        Ok(Some(r)) => {
+            ctx.lease.renewed(sent);
+            Ok(r)
+        }
+        Ok(None) => {
+            tracing::error!(instance = %ctx.instance, "this replica was taken for dead and its lanes taken over; stopping without handing anything back");
+            Err(Fenced)
+        }
+        Err(e) => {
+            ctx.lease.lapse();
+            tracing::warn!(error = %e, "renew replica liveness");
+            Ok(revision)
+        }
+    }
+}
+
+/// Pings every peer (spawned: a paused peer's ping waits out its timeout off this loop).
+fn ping_peers(
+    ctx: &Ctx,
+    peers: &HashMap<String, Peer>,
+    probed: &tokio::sync::mpsc::UnboundedSender<(String, Probe)>,
+) {
+    let wait = ctx.liveness.probe * 3;
+    for instance in peers.keys() {
+        let client = ctx.client.clone();
+        let instance = instance.clone();
+        let probed = probed.clone();
+        tokio::spawn(async move {
+            let found = probe::ask(&client, &instance, wait).await;
+            let _ = probed.send((instance, found));
+        });
+    }
+}
+
+/// A probe's answer: *gone* counts towards the fast path, an answer resets it.
+fn probed_peer(peers: &mut HashMap<String, Peer>, instance: &str, found: Probe) {
+    if let Some(p) = peers.get_mut(instance) {
+        match found {
+            Probe::Answered => p.gone = 0,
+            Probe::Gone => p.gone += 1,
+            Probe::Unknown => {}
+        }
+    }
+}
+
+/// One watch entry: a peer's renewal or departure, or our own renewal coming back; `true`
+/// when that was our own after a stall.
 fn observe(
     own_key: &str,
     entry: Entry,
     peers: &mut HashMap<String, Peer>,
     own_seen: &mut Instant,
     timing: Timing,
-) {
+) -> bool {
     let now = Instant::now();
     if entry.key == own_key {
-        if now.duration_since(*own_seen) > timing.interval * 2 {
+        let stalled = now.duration_since(*own_seen) > timing.lease;
+        if stalled {
             // Our own renewals stalled (NATS or this process): nobody is judged on that gap.
             for p in peers.values_mut() {
                 p.seen = now;
             }
         }
         *own_seen = now;
-        return;
+        return stalled;
     }
     let Some(instance) = entry.key.strip_prefix("live.") else {
-        return;
+        return false;
     };
     match entry.operation {
         Operation::Put => {
@@ -155,6 +290,7 @@ fn observe(
                 Peer {
                     revision: entry.revision,
                     seen: now,
+                    gone: 0,
                 },
             );
         }
@@ -162,23 +298,120 @@ fn observe(
             peers.remove(instance);
         }
     }
+    false
 }
 
-/// Claims each peer silent for longer than the timeout and takes its lanes over (spawned:
+/// Claims each dead peer (see the module's two paths) and takes its lanes over (spawned:
 /// renewals go on meanwhile).
-fn sweep(ctx: &Arc<Ctx>, peers: &mut HashMap<String, Peer>, own_seen: Instant, timing: Timing) {
+fn sweep(
+    ctx: &Arc<Ctx>,
+    peers: &mut HashMap<String, Peer>,
+    own_seen: Instant,
+    fast: bool,
+    timing: Timing,
+) {
     let now = Instant::now();
-    if now.duration_since(own_seen) > timing.interval * 2 {
+    if now.duration_since(own_seen) > timing.lease {
         // This replica does not see its own renewals: it cannot judge anyone.
         return;
     }
-    let dead: Vec<(String, u64)> = peers
+    let dead: Vec<(String, u64, Evidence)> = peers
         .iter()
-        .filter(|(_, p)| now.duration_since(p.seen) > timing.timeout)
-        .map(|(i, p)| (i.clone(), p.revision))
+        .filter_map(|(i, p)| Some((i.clone(), p.revision, judge(p, now, fast, timing)?)))
         .collect();
-    for (instance, revision) in dead {
+    for (instance, revision, evidence) in dead {
         peers.remove(&instance);
-        tokio::spawn(takeover::claim(ctx.clone(), instance, revision));
+        tokio::spawn(takeover::claim(ctx.clone(), instance, revision, evidence));
+    }
+}
+
+/// Whether a peer is dead, and on what evidence (`fast`: whether this replica's own view is
+/// settled enough to trust the server's word that the peer's connection is gone).
+fn judge(peer: &Peer, now: Instant, fast: bool, timing: Timing) -> Option<Evidence> {
+    let silent = now.duration_since(peer.seen);
+    if silent > timing.timeout {
+        Some(Evidence::Silent { silent })
+    } else if fast && peer.gone >= GONE_PROBES && silent > timing.gone_after {
+        Some(Evidence::Gone { silent })
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn peer(silent: Duration, gone: u32) -> (Peer, Instant) {
+        let now = Instant::now();
+        let seen = now.checked_sub(silent).unwrap_or(now);
+        (
+            Peer {
+                revision: 1,
+                seen,
+                gone,
+            },
+            now,
+        )
+    }
+
+    #[test]
+    fn the_timings_keep_every_act_inside_what_a_survivor_waits() {
+        let t = Timing::default();
+        assert!(t.lease < t.gone_after && t.lease < t.timeout);
+        assert!(
+            t.interval * 2 < t.lease,
+            "a late renewal does not lapse the lease"
+        );
+    }
+
+    #[test]
+    fn a_peer_gone_from_the_server_is_dead_once_its_lease_has_run_out() {
+        let t = Timing::default();
+        let (p, now) = peer(t.gone_after + Duration::from_millis(20), GONE_PROBES);
+        assert!(matches!(
+            judge(&p, now, true, t),
+            Some(Evidence::Gone { .. })
+        ));
+        // Just after this replica's own reconnect: the peer may only be slower to come back.
+        assert!(judge(&p, now, false, t).is_none());
+        // Gone but renewed lately: a replica reconnecting after its NATS node died.
+        let (p, now) = peer(t.lease, GONE_PROBES + 3);
+        assert!(judge(&p, now, true, t).is_none());
+        // One lost ping is not enough.
+        let (p, now) = peer(t.gone_after * 2, GONE_PROBES - 1);
+        assert!(judge(&p, now, true, t).is_none());
+    }
+
+    #[test]
+    fn a_connected_peer_is_dead_only_after_the_silence_timeout() {
+        let t = Timing::default();
+        let (p, now) = peer(t.gone_after * 2, 0);
+        assert!(
+            judge(&p, now, true, t).is_none(),
+            "paused or partitioned, not yet"
+        );
+        let (p, now) = peer(t.timeout + Duration::from_millis(20), 0);
+        assert!(matches!(
+            judge(&p, now, true, t),
+            Some(Evidence::Silent { .. })
+        ));
+        assert!(matches!(
+            judge(&p, now, false, t),
+            Some(Evidence::Silent { .. })
+        ));
+    }
+
+    #[test]
+    fn an_answer_resets_the_count_of_missing_responders() {
+        let (p, _) = peer(Duration::ZERO, 0);
+        let mut peers = HashMap::from([("b-1".to_string(), p)]);
+        probed_peer(&mut peers, "b-1", Probe::Gone);
+        probed_peer(&mut peers, "b-1", Probe::Unknown);
+        probed_peer(&mut peers, "b-1", Probe::Gone);
+        assert_eq!(peers["b-1"].gone, 2);
+        probed_peer(&mut peers, "b-1", Probe::Answered);
+        assert_eq!(peers["b-1"].gone, 0);
     }
 }

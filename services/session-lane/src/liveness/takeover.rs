@@ -30,6 +30,15 @@ use turnstile_shared::{subjects, SessionId};
 
 use crate::ctx::Ctx;
 
+/// Why a peer was taken for dead (logged with the claim).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Evidence {
+    /// Its connection is gone from the server and its renewals stopped.
+    Gone { silent: std::time::Duration },
+    /// Silent past the timeout, connection or not.
+    Silent { silent: std::time::Duration },
+}
+
 /// Lanes taken over at once (each is a consumer info, an unpin and a nak: requests the
 /// JetStream API answers many at a time).
 const CONCURRENCY: usize = 128;
@@ -79,31 +88,24 @@ pub(crate) async fn depart(js: &async_nats::jetstream::Context, instance: &str) 
     purge_in(js, &subjects::replica_live_key(instance)).await;
 }
 
-/// Claims a silent instance (deleting its key at the revision last seen: only one survivor
+/// Claims a dead instance (deleting its key at the revision last seen: only one survivor
 /// wins, and never over a renewal) and takes its lanes over.
-pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
+pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64, evidence: Evidence) {
     let key = subjects::replica_live_key(&instance);
     match ctx.buckets.replicas.delete_at(&key, revision).await {
         Ok(true) => {}
         Ok(false) => return,
         Err(e) => {
-            tracing::warn!(%instance, error = %e, "claim a silent replica");
+            tracing::warn!(%instance, error = %e, "claim a dead replica");
             return;
         }
     }
-    let started = std::time::Instant::now();
-    let pins = match ctx
-        .buckets
-        .replicas
-        .entries_matching::<String>(&subjects::replica_pins(&instance))
-        .await
-    {
-        Ok(k) => k,
-        Err(e) => {
-            tracing::error!(%instance, error = %e, "list a dead replica's lanes; they move after the pin TTL");
-            return;
-        }
+    let (how, silent) = match evidence {
+        Evidence::Gone { silent } => ("its connection is gone from the server", silent),
+        Evidence::Silent { silent } => ("silent past the timeout", silent),
     };
+    tracing::info!(%instance, evidence = how, silent_ms = silent.as_millis() as u64, "claimed a dead replica");
+    let started = std::time::Instant::now();
     let stream = match ctx.js.get_stream_no_info(subjects::LANE_STREAM).await {
         Ok(s) => s,
         Err(e) => {
@@ -111,15 +113,29 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
             return;
         }
     };
-    // Every lane consumer's state in a few paged requests (256 a page), rather than one
-    // request per lane: the take-over's cost is mostly JetStream API round trips.
-    let infos = match lane_infos(&stream).await {
+    // The dead instance's pin records and every lane consumer's state, read at once; the
+    // consumers in pages of 256 fetched side by side (the take-over's cost is mostly
+    // JetStream API round trips, and a page takes as long as its 256 consumers' states).
+    let pin_keys = subjects::replica_pins(&instance);
+    let (pins, infos) = tokio::join!(
+        ctx.buckets.replicas.entries_matching::<String>(&pin_keys),
+        lane_infos(&ctx.js)
+    );
+    let pins = match pins {
+        Ok(k) => k,
+        Err(e) => {
+            tracing::error!(%instance, error = %e, "list a dead replica's lanes; they move after the pin TTL");
+            return;
+        }
+    };
+    let infos = match infos {
         Ok(i) => Arc::new(i),
         Err(e) => {
             tracing::error!(%instance, error = %e, "list the lane consumers; a dead replica's lanes move after the pin TTL");
             return;
         }
     };
+    let listed_ms = started.elapsed().as_millis() as u64;
     let moved = futures::stream::iter(pins)
         .map(|(key, pin)| {
             let ctx = ctx.clone();
@@ -133,7 +149,7 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64) {
         .await;
     purge(&ctx, &subjects::replica_pins(&instance)).await;
     purge(&ctx, &key).await;
-    tracing::info!(%instance, lanes = moved, elapsed_ms = started.elapsed().as_millis() as u64, "took over a dead replica's lanes");
+    tracing::info!(%instance, lanes = moved, listed_ms, elapsed_ms = started.elapsed().as_millis() as u64, "took over a dead replica's lanes");
     // A request of the dead replica's can be chosen, and pin its lane, until it expires.
     let last = ctx.topology.lane_pull_expiry() + SWEEP_MARGIN;
     for wait in [SWEEP_MARGIN, last] {
@@ -148,7 +164,7 @@ const SWEEP_MARGIN: Duration = Duration::from_secs(1);
 
 /// Unpins every lane in the [`stranded`] state whose pin no replica recorded.
 async fn sweep(ctx: &Ctx, stream: &async_nats::jetstream::stream::Stream<()>, instance: &str) {
-    let infos = match lane_infos(stream).await {
+    let infos = match lane_infos(&ctx.js).await {
         Ok(i) => i,
         Err(e) => {
             tracing::warn!(%instance, error = %e, "sweep for stranded lanes: list the lane consumers");
@@ -246,15 +262,50 @@ async fn take_lane(
     true
 }
 
-/// The state of every consumer on the lane stream, by name.
+/// One page of `CONSUMER.LIST` (the server's page is 256 consumers).
+#[derive(serde::Deserialize)]
+struct Page {
+    total: usize,
+    #[serde(default)]
+    consumers: Vec<Info>,
+}
+
+/// Pages of the consumer list fetched at once after the first (each is a request the server
+/// answers with 256 consumers' states).
+const PAGES_AT_ONCE: usize = 8;
+
+/// The state of every consumer on the lane stream, by name: the first page says how many
+/// there are, the rest are fetched side by side.
 async fn lane_infos(
-    stream: &async_nats::jetstream::stream::Stream<()>,
+    js: &async_nats::jetstream::Context,
 ) -> Result<HashMap<String, Info>, async_nats::Error> {
-    let mut out = HashMap::new();
-    let mut list = stream.consumers();
-    while let Some(info) = list.next().await {
-        let info = info?;
-        out.insert(info.name.clone(), info);
+    let subject = subjects::lane_consumer_list();
+    let page = |offset: usize| {
+        let subject = subject.clone();
+        async move {
+            let page: async_nats::jetstream::response::Response<Page> = js
+                .request(subject, &serde_json::json!({ "offset": offset }))
+                .await?;
+            match page {
+                async_nats::jetstream::response::Response::Ok(p) => Ok(p),
+                async_nats::jetstream::response::Response::Err { error } => {
+                    Err(async_nats::Error::from(error))
+                }
+            }
+        }
+    };
+    let first = page(0).await?;
+    let step = first.consumers.len().max(1);
+    let total = first.total;
+    let mut out: HashMap<String, Info> = first
+        .consumers
+        .into_iter()
+        .map(|i| (i.name.clone(), i))
+        .collect();
+    let mut rest = futures::stream::iter((step..total).step_by(step).map(page))
+        .buffer_unordered(PAGES_AT_ONCE);
+    while let Some(p) = rest.next().await {
+        out.extend(p?.consumers.into_iter().map(|i| (i.name.clone(), i)));
     }
     Ok(out)
 }

@@ -39,6 +39,8 @@ pub(super) enum DriveError {
     Dispatch(async_nats::Error),
     #[error("run record disappeared")]
     Gone,
+    #[error(transparent)]
+    Fenced(#[from] crate::liveness::Fenced),
 }
 
 /// How a run ended.
@@ -52,6 +54,8 @@ pub(super) struct Driver<'a> {
     pub(super) msg: &'a jetstream::Message,
     pub(super) cancel: &'a CancellationToken,
     pub(super) run: RunRecord,
+    /// The last turn this driver settled: a bound met after it does not settle it twice.
+    pub(super) settled: Option<TurnId>,
 }
 
 impl Driver<'_> {
@@ -80,9 +84,7 @@ impl Driver<'_> {
         let texts: Vec<String> = self.run.texts().into_iter().map(str::to_string).collect();
         let first = self.run.progress.iter().take_while(|m| m.done).count();
         for (index, text) in texts.iter().enumerate().skip(first) {
-            if let Some(end) = self.cancelled(index).await? {
-                return Ok(Some(end));
-            }
+            // A cancel or the run's time is met at the top of `message`, at its boundary.
             match self.message(index, text).await? {
                 Step::Next => {}
                 Step::End(end) => return Ok(Some(end)),
@@ -102,21 +104,12 @@ impl Driver<'_> {
         // Completions the next turn carries, held unacked until it completed (R3).
         let mut held: Vec<jetstream::Message> = Vec::new();
         loop {
-            if let Some(end) = self.over_time(index) {
+            if let Some(end) = self.bound(index).await? {
                 nak_all(&held).await;
+                self.settle_latest(index).await?;
                 return Ok(Step::End(end));
             }
-            if let Some(end) = self.cancelled(index).await? {
-                nak_all(&held).await;
-                return Ok(Step::End(end));
-            }
-            let turns = self
-                .run
-                .progress
-                .get(index)
-                .map(|m| m.turns.clone())
-                .unwrap_or_default();
-            let turn = match turns.last() {
+            let turn = match self.latest_turn(index) {
                 None => {
                     if let Some(end) = self.over_rounds(index) {
                         return Ok(Step::End(end));
@@ -126,7 +119,7 @@ impl Driver<'_> {
                     t
                 }
                 // Resumed, or the hand-over recorded below: the latest turn.
-                Some(t) if self.turn_record(t).await?.is_some() => t.clone(),
+                Some(t) if self.turn_record(&t).await?.is_some() => t,
                 Some(_) => {
                     // Recorded in the run but its turn record was never written (a crash in
                     // between): drop it and hand over afresh.
@@ -139,7 +132,10 @@ impl Driver<'_> {
                 nak_all(&this_round).await;
                 return Ok(Step::Cancelled);
             };
-            settle(self.ctx, self.session, &record, &this_round).await;
+            // Not recorded as handed over: nothing acked, the run's item is retried and
+            // settles this ended turn again on its way through.
+            settle(self.ctx, self.session, &record, &this_round).await?;
+            self.settled = Some(turn.clone());
             tell_end(self.ctx, &record).await;
             if let TurnState::Failed { reason, detail, .. } = &record.state {
                 // The run ends with its turn's reason (e.g. parent_transport_unavailable, R9).
@@ -256,15 +252,9 @@ impl Driver<'_> {
             }
         })
         .await?;
-        let record = TurnRecord {
-            id: turn.clone(),
-            session: self.session.id.clone(),
-            text,
-            queued_at: Utc::now(),
-            delivery: carried,
-            parent: Some(ExecutionId::message(&self.run.id, index)),
-            state: TurnState::Queued,
-        };
+        let record = TurnRecord::queued(turn.clone(), self.session.id.clone(), text)
+            .carrying(carried)
+            .under(ExecutionId::message(&self.run.id, index));
         self.ctx
             .buckets
             .turns
@@ -293,6 +283,7 @@ impl Driver<'_> {
     }
 
     async fn update(&mut self, f: impl Fn(&mut RunRecord)) -> Result<(), DriveError> {
+        self.ctx.lease.hold().await?;
         let next = self
             .ctx
             .buckets
@@ -373,7 +364,6 @@ impl Driver<'_> {
         } else {
             // What the run started dies with it (R7): a completed run has none left (R5).
             self.cancel_owned_work(&next).await;
-            self.fail_untyped_turn(&next).await;
             EventKind::RunFailed
         };
         let data = json!({ "state": next.state, "rounds": next.rounds() });
@@ -384,53 +374,103 @@ impl Driver<'_> {
 }
 
 impl Driver<'_> {
-    /// The hand-over turn a run recorded but ended before typing (a cancel, or its time,
-    /// seen at the boundary) fails with the run's reason: no record may say it waits for a
-    /// lane that will never type it (R13). What it carried was given back, and is handed over
-    /// by the session's next delivery.
-    async fn fail_untyped_turn(&self, run: &RunRecord) {
-        let RunState::Failed { reason, .. } = &run.state else {
-            return;
+    /// A bound met at a boundary: the run's time spent, or a cancel recorded. Never while the
+    /// run's latest turn is typed and has not ended: the run waits for it (a turn in flight
+    /// is not interrupted), or the lane's next item would be typed into an agent still at
+    /// work on it (R1) and what that turn started handed to a turn begun before it ended
+    /// (R3). A run resumed mid-turn (a retry after a store error, a replica that took the
+    /// lane over) meets its bounds here first. A latest turn recorded but not yet typed fails
+    /// with the run's reason, so no record waits for a lane that will never type it (R13);
+    /// what it carried was given back, and the session's next delivery hands it over.
+    async fn bound(&mut self, index: usize) -> Result<Option<End>, DriveError> {
+        let end = match self.over_time(index) {
+            Some(end) => end,
+            None => match self.cancelled(index).await? {
+                Some(end) => end,
+                None => return Ok(None),
+            },
         };
-        let Some(turn) = run.progress.last().and_then(|m| m.turns.last()) else {
-            return;
+        match self.latest_turn(index) {
+            Some(turn) if !self.claim_untyped(&turn, &end).await? => Ok(None),
+            _ => Ok(Some(end)),
+        }
+    }
+
+    /// Settles the message's latest turn if it ended and this driver has not settled it: a
+    /// run resumed (a retry, a take-over) after its hand-over turn ended, and ended at once
+    /// by a bound, still acks what that turn carried and records it handed over (R3), or
+    /// the next run or delivery of the session would carry it a second time. A turn the
+    /// bound failed untyped leaves what it carried pending, armed for the next turn end.
+    async fn settle_latest(&mut self, index: usize) -> Result<(), DriveError> {
+        let Some(turn) = self.latest_turn(index) else {
+            return Ok(());
+        };
+        if self.settled.as_ref() == Some(&turn) {
+            return Ok(());
+        }
+        if let Some(record) = self.turn_record(&turn).await? {
+            if record.state.is_terminal() {
+                settle(self.ctx, self.session, &record, &[]).await?;
+                self.settled = Some(turn);
+            }
+        }
+        Ok(())
+    }
+
+    /// The message's latest turn, as the run record names it.
+    fn latest_turn(&self, index: usize) -> Option<TurnId> {
+        self.run
+            .progress
+            .get(index)
+            .and_then(|m| m.turns.last())
+            .cloned()
+    }
+
+    /// Fails the run's latest turn if it is still untyped; `false` if it is typed and has
+    /// not ended (the run must wait for it). A transport taking the command meanwhile writes
+    /// `running` against the same revision, so exactly one of the two wins.
+    async fn claim_untyped(&self, turn: &TurnId, end: &End) -> Result<bool, DriveError> {
+        let RunState::Failed { reason, .. } = &end.state else {
+            return Ok(true);
         };
         let ended_at = Utc::now();
         let wrote = std::sync::atomic::AtomicBool::new(false);
-        let failed = self
+        let rec = self
             .ctx
             .buckets
             .turns
-            .modify::<TurnRecord, _>(turn.as_str(), |cur| match cur {
-                Some(r) if r.state == TurnState::Queued => {
-                    wrote.store(true, std::sync::atomic::Ordering::Relaxed);
-                    Change::Write(TurnRecord {
-                        state: TurnState::Failed {
-                            ended_at,
-                            reason: reason.clone(),
-                            detail: format!("the run ended ({reason}) before this turn was typed"),
-                            output: Vec::new(),
-                        },
-                        ..r.clone()
-                    })
-                }
-                _ => {
-                    wrote.store(false, std::sync::atomic::Ordering::Relaxed);
-                    Change::Keep
+            .modify::<TurnRecord, _>(turn.as_str(), |cur| {
+                wrote.store(false, std::sync::atomic::Ordering::Relaxed);
+                match cur {
+                    Some(r) if r.state == TurnState::Queued => {
+                        wrote.store(true, std::sync::atomic::Ordering::Relaxed);
+                        Change::Write(TurnRecord {
+                            state: TurnState::Failed {
+                                ended_at,
+                                reason: reason.clone(),
+                                detail: format!(
+                                    "the run ended ({reason}) before this turn was typed"
+                                ),
+                                output: Vec::new(),
+                            },
+                            ..r.clone()
+                        })
+                    }
+                    _ => Change::Keep,
                 }
             })
-            .await;
-        match failed {
-            Ok(Some(rec)) if wrote.load(std::sync::atomic::Ordering::Relaxed) => {
-                if let Ok(ev) = crate::handoff::outcome_event(&rec) {
-                    if let Err(e) = turnstile_shared::events::publish(&self.ctx.js, &ev).await {
-                        tracing::warn!(%turn, error = %e, "publish the untyped turn's end");
-                    }
+            .await?;
+        let Some(rec) = rec else {
+            return Ok(true);
+        };
+        if wrote.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok(ev) = crate::handoff::outcome_event(&rec) {
+                if let Err(e) = turnstile_shared::events::publish(&self.ctx.js, &ev).await {
+                    tracing::warn!(%turn, error = %e, "publish the untyped turn's end");
                 }
             }
-            Ok(_) => {}
-            Err(e) => tracing::warn!(run = %run.id, %turn, error = %e, "fail the untyped turn"),
         }
+        Ok(rec.state.is_terminal())
     }
 
     async fn cancel_owned_work(&self, run: &RunRecord) {

@@ -18,7 +18,7 @@ mod wait;
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind};
+use async_nats::jetstream;
 use chrono::Utc;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -30,7 +30,7 @@ use turnstile_shared::runs::{RunItem, RunRecord, RunState};
 use turnstile_shared::{DeliveryId, SessionId};
 
 use crate::ctx::Ctx;
-use crate::handoff::{acked, disarm_and_recheck, reject, release};
+use crate::handoff::{acked, disarm_and_recheck, reject, release, retry_later};
 use driver::{DriveError, Driver};
 use events::event;
 
@@ -47,7 +47,7 @@ pub(super) async fn run_run(
             let reason = format!("no run record {}", item.run);
             return reject(ctx, session, &msg, &reason).await;
         }
-        Err(e) => return retry(&msg, &item, &e.to_string()).await,
+        Err(e) => return retry(ctx, &msg, &item, &e.to_string()).await,
     };
     if record.session != session.id {
         let reason = format!("run {} belongs to session {}", record.id, record.session);
@@ -58,7 +58,7 @@ pub(super) async fn run_run(
     }
     let record = match start(ctx, record).await {
         Ok(r) => r,
-        Err(e) => return retry(&msg, &item, &e.to_string()).await,
+        Err(e) => return retry(ctx, &msg, &item, &e.to_string()).await,
     };
     // R4: while the run holds the lane, its marker tells the broker a deliverer exists.
     let marker = hold_deliveries(ctx, &session.id).await;
@@ -68,11 +68,12 @@ pub(super) async fn run_run(
         msg: &msg,
         cancel,
         run: record,
+        settled: None,
     };
     match driver.drive().await {
         Ok(Some(end)) => {
             if let Err(e) = driver.end(end).await {
-                return retry(&msg, &item, &e.to_string()).await;
+                return retry(ctx, &msg, &item, &e.to_string()).await;
             }
             if let Some(m) = marker {
                 if let Err(e) = disarm_and_recheck(ctx, &session.id, &m, None).await {
@@ -83,15 +84,13 @@ pub(super) async fn run_run(
         }
         // Cancelled (replica stopping): the lane moves, the run continues elsewhere.
         Ok(None) => release(ctx, &msg).await,
-        Err(e) => retry(&msg, &item, &e.to_string()).await,
+        Err(e) => retry(ctx, &msg, &item, &e.to_string()).await,
     }
 }
 
-async fn retry(msg: &jetstream::Message, item: &RunItem, e: &str) {
+async fn retry(ctx: &Ctx, msg: &jetstream::Message, item: &RunItem, e: &str) {
     tracing::warn!(run = %item.run, error = %e, "run interrupted; retrying");
-    let _ = msg
-        .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
-        .await;
+    retry_later(ctx, msg, Duration::from_millis(500)).await;
 }
 
 async fn start(ctx: &Ctx, record: RunRecord) -> Result<RunRecord, DriveError> {

@@ -99,8 +99,10 @@ impl Driver<'_> {
                 _ = recheck.wait() => {}
                 _ = tokio::time::sleep_until(deadline) => return Ok(Wait::Idle),
             }
-            // Keep the run item alive while it waits.
-            let _ = self.msg.ack_with(AckKind::Progress).await;
+            // Keep the run item alive while it waits (under the lease only).
+            if self.ctx.lease.held() {
+                let _ = self.msg.ack_with(AckKind::Progress).await;
+            }
         }
     }
     /// Takes pending completions for the session, waiting (bounded) until every execution the
@@ -116,11 +118,10 @@ impl Driver<'_> {
         let mut pauses = COMPLETIONS_POLL.delays();
         loop {
             let (c, h) = collect(self.ctx, self.session).await?;
-            for (comp, _) in &c {
+            merge(&mut carried, &mut held, c, h, stream_seq);
+            for (comp, _) in &carried {
                 want.remove(&comp.execution);
             }
-            carried.extend(c);
-            held.extend(h);
             // Executions whose completion goes elsewhere (detached work watched by others)
             // never arrive here; the wait is bounded.
             if want.is_empty() || tokio::time::Instant::now() >= deadline {
@@ -128,13 +129,43 @@ impl Driver<'_> {
             }
             pauses.wait().await;
             // What this wait holds already stays this run's while it waits for the rest (the
-            // wait may outlast the completions' ack wait; a copy handed out again meanwhile
-            // is refused by `handoff` all the same).
-            for h in &held {
-                let _ = h.ack_with(AckKind::Progress).await;
+            // wait may outlast the completions' ack wait; a copy handed out again meanwhile,
+            // when a progress ack was lost, is taken once: `merge`).
+            if self.ctx.lease.held() {
+                for h in &held {
+                    let _ = h.ack_with(AckKind::Progress).await;
+                }
             }
         }
     }
+}
+
+/// Adds one round's take to what the wait took before. A completion already taken is not
+/// carried again: a message handed out again (its ack wait ran out while the run waited and
+/// a progress ack was lost, as across a NATS restart), or another stored message of the same
+/// end (R14). A message delivered again replaces its earlier delivery among those to ack (the
+/// earlier delivery's ack would be void).
+fn merge<M>(
+    carried: &mut Vec<(Completion, u64)>,
+    held: &mut Vec<M>,
+    round: Vec<(Completion, u64)>,
+    round_held: Vec<M>,
+    seq: impl Fn(&M) -> Option<u64>,
+) {
+    for (comp, s) in round {
+        if !carried.iter().any(|(c, _)| c.execution == comp.execution) {
+            carried.push((comp, s));
+        }
+    }
+    for m in round_held {
+        let s = seq(&m);
+        held.retain(|h| s.is_none() || seq(h) != s);
+        held.push(m);
+    }
+}
+
+fn stream_seq(m: &jetstream::Message) -> Option<u64> {
+    m.info().map(|i| i.stream_sequence).ok()
 }
 
 /// Every step under the node (not the node itself).
@@ -142,5 +173,68 @@ fn collect_ids(node: &TreeNode, out: &mut Vec<ExecutionId>) {
     for n in &node.nodes {
         out.push(n.record.id.clone());
         collect_ids(n, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completion(execution: &ExecutionId) -> Completion {
+        Completion {
+            execution: execution.clone(),
+            name: "step".into(),
+            status: "completed".into(),
+            summary: "exit 0".into(),
+            ended_at: chrono::Utc::now(),
+        }
+    }
+
+    /// R14: a completion handed out again while the run waited for the rest (its ack wait ran
+    /// out, a progress ack lost across a NATS restart) is carried once, and only its latest
+    /// delivery is kept to ack. The campaign (seed 1, 10 min) found a run turn carrying two
+    /// completions twice each.
+    #[test]
+    fn a_completion_taken_again_in_a_later_round_is_carried_once() {
+        let (a, b) = (
+            ExecutionId::from(turnstile_shared::StepId::new()),
+            ExecutionId::from(turnstile_shared::StepId::new()),
+        );
+        let (mut carried, mut held) = (Vec::new(), Vec::new());
+        let seq = |m: &(u64, u32)| Some(m.0);
+        // Round one takes a (stream seq 18, first delivery); round two takes a again (its
+        // second delivery) and b (seq 19).
+        merge(
+            &mut carried,
+            &mut held,
+            vec![(completion(&a), 18)],
+            vec![(18, 1)],
+            seq,
+        );
+        merge(
+            &mut carried,
+            &mut held,
+            vec![(completion(&a), 18), (completion(&b), 19)],
+            vec![(18, 2), (19, 1)],
+            seq,
+        );
+        let ids: Vec<_> = carried.iter().map(|(c, _)| c.execution.clone()).collect();
+        assert_eq!(ids, vec![a.clone(), b]);
+        assert_eq!(
+            held,
+            vec![(18, 2), (19, 1)],
+            "the later delivery of 18 is acked"
+        );
+        // Another stored message of a's end (seq 25): not carried, but held (acked with the
+        // turn, so it is not handed over later either).
+        merge(
+            &mut carried,
+            &mut held,
+            vec![(completion(&a), 25)],
+            vec![(25, 1)],
+            seq,
+        );
+        assert_eq!(carried.len(), 2);
+        assert_eq!(held.len(), 3);
     }
 }
