@@ -43,6 +43,7 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use turnstile_shared::kv::Bucket;
 use turnstile_shared::subjects;
 
 use crate::ctx::{Ctx, Timing};
@@ -213,20 +214,72 @@ impl Settled {
 /// One renewal by compare-and-set: the new revision, or `Err(Fenced)` when the key was taken.
 async fn renew_own(ctx: &Ctx, key: &str, alive: &Alive, revision: u64) -> Result<u64, Fenced> {
     let sent = Instant::now();
-    match ctx.buckets.replicas.update(key, alive, revision).await {
-        Ok(Some(r)) => {
+    // Bounded by the lease: a renewal whose reply was lost (sent as the server died) would
+    // otherwise hold this loop, and with it the lease, for the whole request timeout.
+    let renewal = tokio::time::timeout(
+        ctx.liveness.lease,
+        renew_at(&ctx.buckets.replicas, key, alive, revision),
+    )
+    .await
+    .unwrap_or(Renewal::Late);
+    match renewal {
+        Renewal::Stored(r) => {
             ctx.lease.renewed(sent);
             Ok(r)
         }
-        Ok(None) => {
+        Renewal::Behind(r) => {
+            // The lease is renewed by the next renewal, made at the revision found.
+            tracing::info!(
+                revision = r,
+                "a renewal whose reply was lost was stored; renewing from it"
+            );
+            ctx.lease.lapse();
+            Ok(r)
+        }
+        Renewal::Taken => {
             tracing::error!(instance = %ctx.instance, "this replica was taken for dead and its lanes taken over; stopping without handing anything back");
             Err(Fenced)
         }
-        Err(e) => {
+        Renewal::Failed(e) => {
             ctx.lease.lapse();
             tracing::warn!(error = %e, "renew replica liveness");
             Ok(revision)
         }
+        Renewal::Late => {
+            // It may still be stored: the next renewal then finds itself `Behind`.
+            ctx.lease.lapse();
+            tracing::warn!("renew replica liveness: no answer within the lease; renewing again");
+            Ok(revision)
+        }
+    }
+}
+
+/// What one renewal of this instance's key found.
+#[derive(Debug)]
+enum Renewal {
+    /// Stored at this revision.
+    Stored(u64),
+    /// Refused, but the key still holds a value at this later revision: one of this
+    /// instance's own renewals was stored and its reply lost (a NATS restart). Nobody else
+    /// ever writes the key (a survivor only deletes it), so it is still ours.
+    Behind(u64),
+    /// The key is gone: a survivor took this instance over.
+    Taken,
+    /// NATS refused or failed the request: nothing is known.
+    Failed(turnstile_shared::kv::KvError),
+    /// No answer within the lease (the request or its reply may be lost).
+    Late,
+}
+
+async fn renew_at(bucket: &Bucket, key: &str, alive: &Alive, revision: u64) -> Renewal {
+    match bucket.update(key, alive, revision).await {
+        Ok(Some(r)) => Renewal::Stored(r),
+        Ok(None) => match bucket.get::<serde_json::Value>(key).await {
+            Ok(Some((_, found))) if found > revision => Renewal::Behind(found),
+            Ok(_) => Renewal::Taken,
+            Err(e) => Renewal::Failed(e),
+        },
+        Err(e) => Renewal::Failed(e),
     }
 }
 
@@ -413,5 +466,52 @@ mod tests {
         assert_eq!(peers["b-1"].gone, 2);
         probed_peer(&mut peers, "b-1", Probe::Answered);
         assert_eq!(peers["b-1"].gone, 0);
+    }
+
+    /// A renewal stored whose reply was lost (a NATS restart between the two) leaves the
+    /// replica one revision behind its own key: the next renewal is refused, and that must
+    /// not read as "taken over" (the replica would fence itself and stop serving).
+    #[tokio::test]
+    async fn a_renewal_refused_behind_its_own_stored_renewal_is_not_a_take_over(
+    ) -> anyhow::Result<()> {
+        let server = turnstile_tests::NatsServer::start().await?;
+        let js = async_nats::jetstream::new(server.client().await?);
+        let store = js
+            .create_key_value(async_nats::jetstream::kv::Config {
+                bucket: "replicas".into(),
+                ..Default::default()
+            })
+            .await?;
+        let bucket = Bucket::new(store, "replicas", js);
+        let alive = Alive {
+            replica: "a".into(),
+            instance: "a-1".into(),
+            since: chrono::Utc::now(),
+        };
+        let key = "live.a-1";
+        let first = bucket.put(key, &alive).await?;
+        // Stored, but the replica never heard back: it still holds `first`.
+        let lost = bucket.put(key, &alive).await?;
+        let found = renew_at(&bucket, key, &alive, first).await;
+        assert!(
+            matches!(found, Renewal::Behind(r) if r == lost),
+            "{found:?}"
+        );
+        assert!(matches!(
+            renew_at(&bucket, key, &alive, lost).await,
+            Renewal::Stored(r) if r > lost
+        ));
+        // A survivor's take-over deletes the key: then the refusal is a fence.
+        let now = bucket
+            .get::<serde_json::Value>(key)
+            .await?
+            .map(|(_, r)| r)
+            .unwrap_or_default();
+        assert!(bucket.delete_at(key, now).await?);
+        assert!(matches!(
+            renew_at(&bucket, key, &alive, now).await,
+            Renewal::Taken
+        ));
+        Ok(())
     }
 }
