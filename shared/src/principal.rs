@@ -4,6 +4,7 @@
 //! that the credentials inside a request belong to the principal of the subject it came on.
 
 use std::fmt;
+use std::time::Duration;
 
 use crate::api::ApiError;
 use crate::ids::{IdError, SessionId, StepId};
@@ -83,12 +84,66 @@ impl std::str::FromStr for Principal {
     }
 }
 
+/// How long [`connect`] keeps trying a connect that may be refused only for the moment.
+///
+/// An agent's identity is checked by the deployment's auth callout, which reads the session's
+/// record: while a NATS node dies and its streams elect new leaders (seconds on a cluster), or
+/// while a broker replica reconnects, the check goes unanswered and the server refuses the
+/// connection as an *authorization violation*, exactly as it refuses a wrong token. An agent's
+/// step start must not fail on the first (it would lose the step), so the refusal is retried
+/// this long; a wrong or revoked token is therefore reported after it.
+pub const CONNECT_PATIENCE: Duration = Duration::from_secs(20);
+
+/// Delays between connect attempts within [`CONNECT_PATIENCE`].
+const CONNECT_RETRY: crate::retry::Backoff =
+    crate::retry::Backoff::new(Duration::from_millis(250), Duration::from_secs(2));
+
 /// Connects a one-shot client that acts for `caller`: with the URL's credentials when it has
 /// them (an operator's or a worker's identity), else as the caller's own principal with its
 /// token as the password, which the auth callout of a deployment with agent identities checks
 /// (a server without authentication ignores both). Replies arrive under the principal's own
-/// inbox prefix, the only one its identity may subscribe to.
+/// inbox prefix, the only one its identity may subscribe to. A refusal or a server not
+/// answering is retried for [`CONNECT_PATIENCE`].
 pub async fn connect(
+    url: &str,
+    name: &str,
+    caller: Option<&Caller>,
+) -> Result<async_nats::Client, crate::config::StartError> {
+    connect_within(url, name, caller, CONNECT_PATIENCE).await
+}
+
+/// [`connect`] with its own patience.
+pub async fn connect_within(
+    url: &str,
+    name: &str,
+    caller: Option<&Caller>,
+    patience: Duration,
+) -> Result<async_nats::Client, crate::config::StartError> {
+    let until = tokio::time::Instant::now() + patience;
+    let mut delays = CONNECT_RETRY.delays();
+    loop {
+        match connect_once(url, name, caller).await {
+            Err(crate::config::StartError::Connect { source, .. })
+                if transient(source.kind()) && tokio::time::Instant::now() < until =>
+            {
+                tracing::debug!(error = %source, "connect as the caller; retrying");
+                delays.wait().await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// A refusal that a NATS fail-over also causes (the auth callout unanswered, a node gone).
+fn transient(kind: async_nats::ConnectErrorKind) -> bool {
+    use async_nats::ConnectErrorKind as K;
+    matches!(
+        kind,
+        K::AuthorizationViolation | K::TimedOut | K::Io | K::MaxReconnects
+    )
+}
+
+async fn connect_once(
     url: &str,
     name: &str,
     caller: Option<&Caller>,

@@ -194,3 +194,73 @@ async fn stopped_session(stack: &mut Stack) -> Result<()> {
     .await?;
     Ok(())
 }
+
+/// An agent's step start made while the deployment cannot check its identity (the broker
+/// that answers the auth callout frozen, as while a NATS node's streams elect new leaders:
+/// the server refuses the connection exactly as it refuses a wrong token) keeps trying, and
+/// the step starts once the check answers: the agent's step is not lost to a fail-over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_started_while_the_identity_check_is_unanswered_starts_once_it_answers() -> Result<()>
+{
+    let mut stack = Stack::start_deployed(&["a"], &["host-a"]).await?;
+    let r = unanswered_check(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn unanswered_check(stack: &mut Stack) -> Result<()> {
+    let s = stack.create_session("patient", None).await?;
+    let caller = stack.caller(&s).await?;
+    let turn = stack.send(&s, "hold\n!sleep 30s").await?;
+    stack.wait_running(&turn).await?;
+    let refused_before = refusals_of(stack, &s);
+    let broker = stack.freeze_broker("b1")?;
+    let start = tokio::process::Command::new(turnstile_tests::bin_path("turnstile")?)
+        .args(["step", "start", "--name", "patient", "--", "true"])
+        .env("TURNSTILE_NATS_URL", stack.nats.url())
+        .env("TURNSTILE_SESSION", s.to_string())
+        .env("TURNSTILE_TOKEN", &caller.token)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    // The server refused its connect (the callout went unanswered) at least once.
+    let waited = turnstile_tests::wait_until(
+        "the server to refuse the agent's connect",
+        Duration::from_secs(20),
+        || async { Ok((refusals_of(stack, &s) > refused_before).then_some(())) },
+    )
+    .await;
+    crate::stack::signal(broker, rustix::process::Signal::CONT)?;
+    waited?;
+    let out = tokio::time::timeout(Duration::from_secs(40), start.wait_with_output())
+        .await
+        .context("step start did not finish within 40 s")??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success() && stdout.contains("started"),
+        "step start failed after the check came back: {}{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id: turnstile_shared::StepId = stdout
+        .split_whitespace()
+        .next()
+        .context("the started step's id")?
+        .parse()?;
+    let rec = stack
+        .exec(&turnstile_shared::ExecutionId::from(&id))
+        .await?
+        .context("the started step's record")?;
+    ensure!(rec.session == s, "the step landed in {}", rec.session);
+    Ok(())
+}
+
+/// How many times the server has refused a connection as session `s` (its log).
+fn refusals_of(stack: &Stack, s: &turnstile_shared::SessionId) -> usize {
+    let user = format!("User \"{s}\"");
+    stack
+        .nats
+        .log_tail(100_000)
+        .lines()
+        .filter(|l| l.contains("authentication error") && l.contains(&user))
+        .count()
+}
