@@ -7,8 +7,8 @@
 //! no two files import each other, even through others
 //! (`house.rs::no_import_cycles_between_files`).
 //!
-//! - `api`: the request/reply APIs, one file each: `api/sessions.rs` (`ts.api.session.*`) and
-//!   `api/runs.rs` (`ts.api.runs.*`). Calls `handoff`, `lane` (run events), `ctx`.
+//! - `api`: the request/reply APIs: `api/sessions/` (`ts.api.session.*`, a file per concern)
+//!   and `api/runs.rs` (`ts.api.runs.*`). Calls `handoff`, `lane` (run events), `ctx`.
 //! - `supervisor`: one lane worker per active session on this replica, started and stopped
 //!   from a watch of the sessions bucket. Calls `lane`, `ctx`, `bucket_watch`.
 //! - `lane`: the lane worker: `lane/mod.rs` pulls the session's next item and matches on its
