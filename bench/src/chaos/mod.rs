@@ -2,7 +2,7 @@
 //! deployment of processes (`stack`: two replicas of every service, two transport hosts with
 //! mock agents, one nats-server or a three-node cluster with `--replicas 3`) while a plan drawn
 //! from a seed (`plan`) kills, pauses and cuts them, several faults at once (`inject`). Then
-//! the faults stop, the stack must go quiet within a bound (liveness), and the history it left
+//! the faults stop, the stack must go quiet within a bound (liveness, `end`), and the history it left
 //! (`history`) is checked against the rules (`check`). Prints the seed first (the same seed
 //! replays the same plan) and the figures last, as JSON; exits non-zero on any violation.
 //!
@@ -12,6 +12,7 @@
 
 pub mod check;
 mod disk;
+mod end;
 mod history;
 mod inject;
 mod net;
@@ -31,12 +32,11 @@ use tokio::sync::Mutex;
 use turnstile_shared::api::SessionView;
 use turnstile_shared::subjects::api as subj;
 
+use end::{memory, quiet, LIVENESS_BOUND};
 use history::History;
 use inject::{Injected, Injector};
 use stack::{ChaosStack, BROKERS, HOSTS, LANES, SCHEDULERS};
 
-/// How long the stack may take to go quiet once the faults stopped.
-const LIVENESS_BOUND: Duration = Duration::from_secs(240);
 /// A service's resident memory above this at the end is a violation.
 const MEMORY_BOUND_KB: u64 = 1024 * 1024;
 
@@ -348,112 +348,6 @@ async fn agents_of(
         out.push((view.session.host.to_string(), s.clone()));
     }
     Ok(out)
-}
-
-/// Waits until every active session is idle with nothing pending and every turn, run and
-/// step has ended, within [`LIVENESS_BOUND`].
-async fn quiet(
-    client: &async_nats::Client,
-    js: &async_nats::jetstream::Context,
-    mock_dir: &std::path::Path,
-    trace: &std::path::Path,
-    crons: &[history::ScheduleCron],
-) -> Result<()> {
-    let deadline = Instant::now() + LIVENESS_BOUND;
-    let mut last = String::new();
-    while Instant::now() < deadline {
-        match still_busy(client, js, mock_dir, trace, crons).await {
-            Ok(None) => return Ok(()),
-            Ok(Some(why)) => last = why,
-            Err(e) => last = format!("{e:#}"),
-        }
-        tokio::time::sleep(Duration::from_secs(2)).await;
-    }
-    bail!("still busy: {last}")
-}
-
-async fn still_busy(
-    client: &async_nats::Client,
-    js: &async_nats::jetstream::Context,
-    mock_dir: &std::path::Path,
-    trace: &std::path::Path,
-    crons: &[history::ScheduleCron],
-) -> Result<Option<String>> {
-    let h = History::load(js, mock_dir, trace, crons.to_vec()).await?;
-    if let Some(t) = h.turns.values().find(|t| !t.state.is_terminal()) {
-        return Ok(Some(format!("turn {} not ended", t.id)));
-    }
-    if let Some(r) = h.runs.values().find(|r| !r.state.is_terminal()) {
-        return Ok(Some(format!("run {} not ended", r.id)));
-    }
-    if let Some(e) = h.executions.values().find(|e| !e.status.is_terminal()) {
-        return Ok(Some(format!("execution {} not ended", e.id)));
-    }
-    for s in h.sessions.values().filter(|s| s.is_active()) {
-        let view: SessionView = workload::call(
-            client,
-            subj::SESSION_SHOW,
-            &turnstile_shared::api::SessionRef {
-                session: s.id.clone(),
-            },
-        )
-        .await?;
-        if view.busy || view.queued > 0 || view.pending > 0 {
-            let consumer = completion_state(js, &s.id).await;
-            return Ok(Some(format!(
-                "session {} busy {} queued {} pending {} ({consumer})",
-                s.id, view.busy, view.queued, view.pending
-            )));
-        }
-    }
-    Ok(None)
-}
-
-/// Where the session's completion consumer stands, for a session left with completions: a
-/// message below its ack floor was acked but not removed by the store; one above it was never
-/// handed out.
-async fn completion_state(
-    js: &async_nats::jetstream::Context,
-    session: &turnstile_shared::SessionId,
-) -> String {
-    let name = turnstile_shared::subjects::completion_consumer(session);
-    match js
-        .get_stream_no_info(turnstile_shared::subjects::COMPLETION_STREAM)
-        .await
-    {
-        Ok(stream) => match stream.consumer_info(&name).await {
-            Ok(i) => format!(
-                "completion consumer: delivered stream seq {}, ack floor stream seq {}, \
-                 num_pending {}, num_ack_pending {}",
-                i.delivered.stream_sequence,
-                i.ack_floor.stream_sequence,
-                i.num_pending,
-                i.num_ack_pending
-            ),
-            Err(e) => format!("completion consumer {name}: {e}"),
-        },
-        Err(e) => format!("completion stream: {e}"),
-    }
-}
-
-/// Each service's resident memory (kB) now.
-async fn memory(stack: &Mutex<ChaosStack>) -> BTreeMap<String, u64> {
-    let stack = stack.lock().await;
-    let mut out = BTreeMap::new();
-    for (name, p) in &stack.services {
-        let kb = p
-            .pid()
-            .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("VmRSS:"))
-                    .and_then(|v| v.split_whitespace().next())
-                    .and_then(|v| v.parse().ok())
-            })
-            .unwrap_or(0);
-        out.insert(name.clone(), kb);
-    }
-    out
 }
 
 fn percentile(sorted: &[u64], p: f64) -> Option<u64> {

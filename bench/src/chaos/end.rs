@@ -1,0 +1,125 @@
+//! How a campaign's end is judged beside the history check: once the faults stop, every
+//! lane drains, every session goes idle and every turn, run and step ends within
+//! [`LIVENESS_BOUND`] (else the sessions still busy are named, with their completion
+//! consumers' state), and each service's resident memory.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use tokio::sync::Mutex;
+use turnstile_shared::api::SessionView;
+use turnstile_shared::subjects::api as subj;
+
+use super::history::{self, History};
+use super::stack::ChaosStack;
+use super::workload;
+
+/// How long the stack may take to go quiet once the faults stopped.
+pub(super) const LIVENESS_BOUND: Duration = Duration::from_secs(240);
+
+/// Waits until every active session is idle with nothing pending and every turn, run and
+/// step has ended, within [`LIVENESS_BOUND`].
+pub(super) async fn quiet(
+    client: &async_nats::Client,
+    js: &async_nats::jetstream::Context,
+    mock_dir: &std::path::Path,
+    trace: &std::path::Path,
+    crons: &[history::ScheduleCron],
+) -> Result<()> {
+    let deadline = Instant::now() + LIVENESS_BOUND;
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        match still_busy(client, js, mock_dir, trace, crons).await {
+            Ok(None) => return Ok(()),
+            Ok(Some(why)) => last = why,
+            Err(e) => last = format!("{e:#}"),
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    bail!("still busy: {last}")
+}
+
+async fn still_busy(
+    client: &async_nats::Client,
+    js: &async_nats::jetstream::Context,
+    mock_dir: &std::path::Path,
+    trace: &std::path::Path,
+    crons: &[history::ScheduleCron],
+) -> Result<Option<String>> {
+    let h = History::load(js, mock_dir, trace, crons.to_vec()).await?;
+    if let Some(t) = h.turns.values().find(|t| !t.state.is_terminal()) {
+        return Ok(Some(format!("turn {} not ended", t.id)));
+    }
+    if let Some(r) = h.runs.values().find(|r| !r.state.is_terminal()) {
+        return Ok(Some(format!("run {} not ended", r.id)));
+    }
+    if let Some(e) = h.executions.values().find(|e| !e.status.is_terminal()) {
+        return Ok(Some(format!("execution {} not ended", e.id)));
+    }
+    for s in h.sessions.values().filter(|s| s.is_active()) {
+        let view: SessionView = workload::call(
+            client,
+            subj::SESSION_SHOW,
+            &turnstile_shared::api::SessionRef {
+                session: s.id.clone(),
+            },
+        )
+        .await?;
+        if view.busy || view.queued > 0 || view.pending > 0 {
+            let consumer = completion_state(js, &s.id).await;
+            return Ok(Some(format!(
+                "session {} busy {} queued {} pending {} ({consumer})",
+                s.id, view.busy, view.queued, view.pending
+            )));
+        }
+    }
+    Ok(None)
+}
+
+/// Where the session's completion consumer stands, for a session left with completions: a
+/// message below its ack floor was acked but not removed by the store; one above it was never
+/// handed out.
+async fn completion_state(
+    js: &async_nats::jetstream::Context,
+    session: &turnstile_shared::SessionId,
+) -> String {
+    let name = turnstile_shared::subjects::completion_consumer(session);
+    match js
+        .get_stream_no_info(turnstile_shared::subjects::COMPLETION_STREAM)
+        .await
+    {
+        Ok(stream) => match stream.consumer_info(&name).await {
+            Ok(i) => format!(
+                "completion consumer: delivered stream seq {}, ack floor stream seq {}, \
+                 num_pending {}, num_ack_pending {}",
+                i.delivered.stream_sequence,
+                i.ack_floor.stream_sequence,
+                i.num_pending,
+                i.num_ack_pending
+            ),
+            Err(e) => format!("completion consumer {name}: {e}"),
+        },
+        Err(e) => format!("completion stream: {e}"),
+    }
+}
+
+/// Each service's resident memory (kB) now.
+pub(super) async fn memory(stack: &Mutex<ChaosStack>) -> BTreeMap<String, u64> {
+    let stack = stack.lock().await;
+    let mut out = BTreeMap::new();
+    for (name, p) in &stack.services {
+        let kb = p
+            .pid()
+            .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.split_whitespace().next())
+                    .and_then(|v| v.parse().ok())
+            })
+            .unwrap_or(0);
+        out.insert(name.clone(), kb);
+    }
+    out
+}
