@@ -2,8 +2,8 @@
 //! deployment of processes (`stack`: two replicas of every service, two transport hosts with
 //! mock agents, one nats-server or a three-node cluster with `--replicas 3`) while a plan drawn
 //! from a seed (`plan`) kills, pauses and cuts them, several faults at once (`inject`). Then
-//! the faults stop, the stack must go quiet within a bound (liveness, `end`), and the history it left
-//! (`history`) is checked against the rules (`check`). Prints the seed first (the same seed
+//! the faults stop, the stack must go quiet within a bound (liveness, `end`), and the history
+//! it left (`history`) is checked against the rules (`check`). Prints the seed first (the same seed
 //! replays the same plan) and the figures last, as JSON; exits non-zero on any violation.
 //!
 //! `turnstile-bench chaos [--seed N] [--minutes M] [--every SECS] [--replicas 3]
