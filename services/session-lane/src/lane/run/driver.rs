@@ -3,28 +3,28 @@
 //! stop when a turn started nothing new. Bounds (`max_rounds`, `max_duration`, cancel) end the
 //! run `failed` with a named reason; `completed` only when every message completed (R12).
 //! Progress is kept in the run record, so a replica that takes the lane over resumes here.
+//! How a bound ends a run (its turn in flight waited for, its ended turn settled, an untyped
+//! one failed, its owned work cancelled) is in `driver/bounds.rs`.
 
 use async_nats::jetstream::{self, AckKind};
 use chrono::Utc;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::api::{self, ErrorCode};
 use turnstile_shared::delivery::{self, Completion};
 use turnstile_shared::events::EventKind;
 use turnstile_shared::kv::Change;
-use turnstile_shared::principal::Principal;
 use turnstile_shared::records::{
     Carried, KnownTurn, SessionRecord, TurnCommand, TurnRecord, TurnState,
 };
 use turnstile_shared::runs::{run_reason, MessageProgress, RunRecord, RunState};
-use turnstile_shared::step_api::ExecRef;
-use turnstile_shared::subjects;
 use turnstile_shared::{DeliveryId, ExecutionId, TurnId};
 
 use super::events::event;
 use crate::ctx::Ctx;
 use crate::handoff::{dispatch, settle, tell_end, wait_terminal, DeliveryError, Watch};
 use turnstile_shared::metrics::item_kind;
+
+mod bounds;
 
 /// How long a call to the broker's exec API may take.
 pub(super) const API: std::time::Duration = std::time::Duration::from_secs(5);
@@ -370,132 +370,6 @@ impl Driver<'_> {
         event(self.ctx, &next, k, data).await;
         self.run = next;
         Ok(())
-    }
-}
-
-impl Driver<'_> {
-    /// A bound met at a boundary: the run's time spent, or a cancel recorded. Never while the
-    /// run's latest turn is typed and has not ended: the run waits for it (a turn in flight
-    /// is not interrupted), or the lane's next item would be typed into an agent still at
-    /// work on it (R1) and what that turn started handed to a turn begun before it ended
-    /// (R3). A run resumed mid-turn (a retry after a store error, a replica that took the
-    /// lane over) meets its bounds here first. A latest turn recorded but not yet typed fails
-    /// with the run's reason, so no record waits for a lane that will never type it (R13);
-    /// what it carried was given back, and the session's next delivery hands it over.
-    async fn bound(&mut self, index: usize) -> Result<Option<End>, DriveError> {
-        let end = match self.over_time(index) {
-            Some(end) => end,
-            None => match self.cancelled(index).await? {
-                Some(end) => end,
-                None => return Ok(None),
-            },
-        };
-        match self.latest_turn(index) {
-            Some(turn) if !self.claim_untyped(&turn, &end).await? => Ok(None),
-            _ => Ok(Some(end)),
-        }
-    }
-
-    /// Settles the message's latest turn if it ended and this driver has not settled it: a
-    /// run resumed (a retry, a take-over) after its hand-over turn ended, and ended at once
-    /// by a bound, still acks what that turn carried and records it handed over (R3), or
-    /// the next run or delivery of the session would carry it a second time. A turn the
-    /// bound failed untyped leaves what it carried pending, armed for the next turn end.
-    async fn settle_latest(&mut self, index: usize) -> Result<(), DriveError> {
-        let Some(turn) = self.latest_turn(index) else {
-            return Ok(());
-        };
-        if self.settled.as_ref() == Some(&turn) {
-            return Ok(());
-        }
-        if let Some(record) = self.turn_record(&turn).await? {
-            if record.state.is_terminal() {
-                settle(self.ctx, self.session, &record, &[]).await?;
-                self.settled = Some(turn);
-            }
-        }
-        Ok(())
-    }
-
-    /// The message's latest turn, as the run record names it.
-    fn latest_turn(&self, index: usize) -> Option<TurnId> {
-        self.run
-            .progress
-            .get(index)
-            .and_then(|m| m.turns.last())
-            .cloned()
-    }
-
-    /// Fails the run's latest turn if it is still untyped; `false` if it is typed and has
-    /// not ended (the run must wait for it). A transport taking the command meanwhile writes
-    /// `running` against the same revision, so exactly one of the two wins.
-    async fn claim_untyped(&self, turn: &TurnId, end: &End) -> Result<bool, DriveError> {
-        let RunState::Failed { reason, .. } = &end.state else {
-            return Ok(true);
-        };
-        let ended_at = Utc::now();
-        let wrote = std::sync::atomic::AtomicBool::new(false);
-        let rec = self
-            .ctx
-            .buckets
-            .turns
-            .modify::<TurnRecord, _>(turn.as_str(), |cur| {
-                wrote.store(false, std::sync::atomic::Ordering::Relaxed);
-                match cur {
-                    Some(r) if r.state == TurnState::Queued => {
-                        wrote.store(true, std::sync::atomic::Ordering::Relaxed);
-                        Change::Write(TurnRecord {
-                            state: TurnState::Failed {
-                                ended_at,
-                                reason: reason.clone(),
-                                detail: format!(
-                                    "the run ended ({reason}) before this turn was typed"
-                                ),
-                                output: Vec::new(),
-                            },
-                            ..r.clone()
-                        })
-                    }
-                    _ => Change::Keep,
-                }
-            })
-            .await?;
-        let Some(rec) = rec else {
-            return Ok(true);
-        };
-        if wrote.load(std::sync::atomic::Ordering::Relaxed) {
-            if let Ok(ev) = crate::handoff::outcome_event(&rec) {
-                if let Err(e) = turnstile_shared::events::publish(&self.ctx.js, &ev).await {
-                    tracing::warn!(%turn, error = %e, "publish the untyped turn's end");
-                }
-            }
-        }
-        Ok(rec.state.is_terminal())
-    }
-
-    async fn cancel_owned_work(&self, run: &RunRecord) {
-        for turn in run.progress.iter().flat_map(|m| m.turns.iter()) {
-            let req = ExecRef {
-                id: ExecutionId::from(turn),
-            };
-            let r: Result<turnstile_shared::step_api::Cancelled, _> = api::call(
-                &self.ctx.client,
-                &Principal::Operator.exec(subjects::api::CANCEL),
-                &req,
-                API,
-            )
-            .await;
-            match r {
-                Ok(c) if !c.cancelled.is_empty() => {
-                    tracing::info!(run = %run.id, %turn, count = c.cancelled.len(), "cancelled the ended run's work")
-                }
-                Ok(_) => {}
-                Err(e) if e.code == ErrorCode::NotFound => {}
-                Err(e) => {
-                    tracing::warn!(run = %run.id, %turn, error = %e, "cancel the ended run's work")
-                }
-            }
-        }
     }
 }
 
