@@ -217,7 +217,7 @@ fi
 echo "test-compose: a transport agent outside compose ran a turn"
 
 stage="a session-lane replica killed"
-# A session-lane replica container is SIGKILLed while it serves a turn (acceptance 4): with the
+# A session-lane replica container is SIGKILLed while it serves a turn: with the
 # default 30 s pin TTL and ack wait, the survivor takes its lanes over within seconds: the turn
 # in flight completes, typed once, and the session's next turn is served.
 lanekill="$(cli session create --agent mock --name lanekill --host host-b | tr -d '\r')"
@@ -405,7 +405,7 @@ finish_run() {
 }
 
 stage="the lane stream leader killed mid-run"
-# The nats node leading the lane stream is killed mid-run (acceptance 2): the run completes,
+# The nats node leading the lane stream is killed mid-run: the run completes,
 # each message is typed exactly once, and each step's result is handed over exactly once. On a
 # host inside compose, whose agents have every node as a seed.
 inside="$(cli session create --agent mock --name failover --host host-a | tr -d '\r')"
@@ -424,7 +424,7 @@ echo "test-compose: the run completed after its leader was killed: every message
 docker start "$(compose ps -q "$node")" >/dev/null
 
 stage="a nats node cut off for 20 s"
-# One nats node is cut off from the network for 20 s mid-run, then reconnected (acceptance 3):
+# One nats node is cut off from the network for 20 s mid-run, then reconnected:
 # the same holds. The node cut off is the one holding host-a's transport connection (the
 # transport must notice, move to another seed and heartbeat there inside the 15 s host TTL),
 # else the one leading the lane stream, once every stream has its three copies current again
@@ -471,7 +471,7 @@ lane_leader >/dev/null
 wait_healthy
 
 stage="a transport host container killed"
-# A transport host container is killed (acceptance 5): the turn it was running fails
+# A transport host container is killed: the turn it was running fails
 # `transport_unavailable` with evidence, the other host's sessions are untouched, and after
 # `docker start` its session resumes its conversation.
 other="$(cli session create --agent mock --name other-host --host host-b | tr -d '\r')"
@@ -527,7 +527,7 @@ done
 echo "test-compose: after docker start the session resumed its conversation"
 
 stage="down and up again"
-# Down and up again with the volumes kept (acceptance 6). Before `down`: a session on host-b
+# Down and up again with the volumes kept. Before `down`: a session on host-b
 # has a step's completion pending (the step ended while the session's lane was busy with a
 # long turn, so it was not handed over yet), and the run records are read. After `up`: every
 # session, the schedule and every run record are there as they were, the pending completion

@@ -645,3 +645,93 @@ async fn comes_back_restarted(stack: &mut Stack) -> Result<()> {
     .await?;
     Ok(())
 }
+
+/// R12, R14: a driver whose run was ended meanwhile by another driver of the same run writes
+/// nothing more for it: no progress, no turn, and the completion it had taken goes to the
+/// session's next delivery instead. Found by the fault campaign (seed 1, 10 min, loaded by a
+/// cluster campaign beside it): `run_untrue`, a completed run whose progress named a hand-over
+/// turn that never existed. The run's lane item had been handed out again after a NATS
+/// restart; one driver completed the run, and the other, still under way, appended its next
+/// hand-over turn to the ended run's progress, then timed out creating that turn's record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_whose_run_ended_elsewhere_writes_nothing_more() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = ended_elsewhere(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn ended_elsewhere(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::records::TurnState;
+    use turnstile_shared::runs::{RunRecord, RunState};
+    use turnstile_shared::subjects;
+    let s = stack.create_session("ended-elsewhere", None).await?;
+    let run = stack
+        .start_run(
+            &s,
+            &[
+                "start the build\n!step build 300ms\n!sleep 2s",
+                "[after] never typed",
+            ],
+            None,
+        )
+        .await?;
+    let first = run.turn_id(0, 0);
+    stack.wait_running(&first).await?;
+    // Another driver of the run ends it while this one waits on the run's first turn.
+    let store = stack.js.get_key_value(subjects::RUNS_BUCKET).await?;
+    let runs = turnstile_shared::kv::Bucket::new(store, subjects::RUNS_BUCKET, stack.js.clone());
+    let ended = runs
+        .edit::<RunRecord, _>(run.id.as_str(), |r| {
+            if let RunState::Running { started_at } = r.state {
+                r.state = RunState::Completed {
+                    started_at,
+                    ended_at: chrono::Utc::now(),
+                };
+            }
+        })
+        .await?
+        .context("the run record")?;
+    ensure!(
+        matches!(ended.state, RunState::Completed { .. }),
+        "the run was {:?} when ended by hand",
+        ended.state
+    );
+    // The first turn ends and its build step's completion comes back: this driver would
+    // hand it over as the run's next turn. Instead it stops, and a delivery hands it over.
+    let done = stack.wait_turn(&first, Duration::from_secs(30)).await?;
+    ensure!(
+        matches!(done.state, TurnState::Completed { .. }),
+        "the first turn ended {:?}",
+        done.state
+    );
+    let delivered = wait_until(
+        "the build step's completion handed over",
+        Duration::from_secs(30),
+        || async {
+            let d = stack.delivery_turns(&s).await?;
+            Ok(d.into_iter().find(|t| {
+                matches!(t.state, TurnState::Completed { .. }) && t.text.contains("build")
+            }))
+        },
+    )
+    .await;
+    stack.wait_idle(&s).await?;
+    for turn in [run.turn_id(0, 1), run.turn_id(1, 0)] {
+        ensure!(
+            stack.turn(&turn).await?.is_none(),
+            "turn {turn} was recorded for a run that had ended"
+        );
+    }
+    let (after, _) = runs
+        .get::<RunRecord>(run.id.as_str())
+        .await?
+        .context("the run record")?;
+    ensure!(
+        after.progress == ended.progress && after.state == ended.state,
+        "the ended run was written again: {:?} then {:?}",
+        ended.progress,
+        after.progress
+    );
+    delivered?;
+    Ok(())
+}

@@ -39,6 +39,9 @@ pub(super) enum DriveError {
     Dispatch(async_nats::Error),
     #[error("run record disappeared")]
     Gone,
+    /// The run ended elsewhere while this driver ran: its item is settled as an ended run's.
+    #[error("the run has ended")]
+    Ended,
     #[error(transparent)]
     Fenced(#[from] crate::liveness::Fenced),
 }
@@ -282,15 +285,25 @@ impl Driver<'_> {
         .await
     }
 
+    /// Edits the run's progress. A run that has ended is never written again: its record is
+    /// left as its end wrote it and this driver stops (`Ended`): another driver of the same
+    /// run (its lane item handed out again, to this replica or another) got there first.
     async fn update(&mut self, f: impl Fn(&mut RunRecord)) -> Result<(), DriveError> {
         self.ctx.lease.hold().await?;
         let next = self
             .ctx
             .buckets
             .runs
-            .edit::<RunRecord, _>(self.run.id.as_str(), f)
+            .edit::<RunRecord, _>(self.run.id.as_str(), |r| {
+                if !r.state.is_terminal() {
+                    f(r)
+                }
+            })
             .await?
             .ok_or(DriveError::Gone)?;
+        if next.state.is_terminal() {
+            return Err(DriveError::Ended);
+        }
         self.run = next;
         Ok(())
     }

@@ -75,17 +75,33 @@ pub(super) async fn run_run(
             if let Err(e) = driver.end(end).await {
                 return retry(ctx, &msg, &item, &e.to_string()).await;
             }
-            if let Some(m) = marker {
-                if let Err(e) = disarm_and_recheck(ctx, &session.id, &m, None).await {
-                    tracing::warn!(run = %item.run, error = %e, "release delivery marker");
-                }
-            }
-            acked(ctx, session, &msg).await;
+            finish(ctx, session, &msg, &item, marker).await;
         }
         // Cancelled (replica stopping): the lane moves, the run continues elsewhere.
         Ok(None) => release(ctx, &msg).await,
+        // Another driver of this run ended it meanwhile: nothing more is written for it.
+        Err(DriveError::Ended) => {
+            tracing::info!(run = %item.run, "the run was ended by another driver; this one stops");
+            finish(ctx, session, &msg, &item, marker).await;
+        }
         Err(e) => retry(ctx, &msg, &item, &e.to_string()).await,
     }
+}
+
+/// An ended run's item: its delivery marker released, the item acked.
+async fn finish(
+    ctx: &Ctx,
+    session: &SessionRecord,
+    msg: &jetstream::Message,
+    item: &RunItem,
+    marker: Option<DeliveryItem>,
+) {
+    if let Some(m) = marker {
+        if let Err(e) = disarm_and_recheck(ctx, &session.id, &m, None).await {
+            tracing::warn!(run = %item.run, error = %e, "release delivery marker");
+        }
+    }
+    acked(ctx, session, msg).await;
 }
 
 async fn retry(ctx: &Ctx, msg: &jetstream::Message, item: &RunItem, e: &str) {
