@@ -402,8 +402,14 @@ pub(super) enum Wait {
     RunCancelled,
 }
 
+/// Gives back what the run held, each nak confirmed by the server: the run's end rechecks
+/// the session's pending completions next (`disarm_and_recheck`), and a nak still in flight
+/// then would leave a completion counted as held, with no delivery armed for it.
 pub(super) async fn nak_all(held: &[jetstream::Message]) {
-    for h in held {
-        let _ = h.ack_with(AckKind::Nak(None)).await;
+    let naks = held.iter().map(|h| h.double_ack_with(AckKind::Nak(None)));
+    for r in futures::future::join_all(naks).await {
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "give back a held completion");
+        }
     }
 }
