@@ -59,6 +59,9 @@ pub(super) struct Driver<'a> {
     pub(super) run: RunRecord,
     /// The last turn this driver settled: a bound met after it does not settle it twice.
     pub(super) settled: Option<TurnId>,
+    /// Whether it gave completions it had taken back to the session's consumer: a run that
+    /// ends then leaves them to the session's next delivery, which its end arms.
+    pub(super) gave_back: bool,
 }
 
 impl Driver<'_> {
@@ -79,6 +82,14 @@ impl Driver<'_> {
                 message_index: index,
                 execution: exec,
             },
+        }
+    }
+
+    /// Gives back completions taken for a turn that will not carry them ([`nak_all`]).
+    async fn give_back(&mut self, held: &[jetstream::Message]) {
+        if !held.is_empty() {
+            self.gave_back = true;
+            nak_all(held).await;
         }
     }
 
@@ -108,7 +119,7 @@ impl Driver<'_> {
         let mut held: Vec<jetstream::Message> = Vec::new();
         loop {
             if let Some(end) = self.bound(index).await? {
-                nak_all(&held).await;
+                self.give_back(&held).await;
                 self.settle_latest(index).await?;
                 return Ok(Step::End(end));
             }
@@ -132,7 +143,7 @@ impl Driver<'_> {
             };
             let this_round = std::mem::take(&mut held);
             let Some(record) = self.run_turn(&turn, &this_round).await? else {
-                nak_all(&this_round).await;
+                self.give_back(&this_round).await;
                 return Ok(Step::Cancelled);
             };
             // Not recorded as handed over: nothing acked, the run's item is retried and
@@ -175,7 +186,7 @@ impl Driver<'_> {
                 return Ok(Step::Next);
             }
             if let Some(end) = self.over_rounds(index) {
-                nak_all(&taken).await;
+                self.give_back(&taken).await;
                 return Ok(Step::End(end));
             }
             let round = self.run.progress.get(index).map_or(0, |m| m.turns.len()) as u32;
@@ -184,7 +195,7 @@ impl Driver<'_> {
             let carried = delivery::carried(DeliveryId::new(), &carried);
             let text = delivery::render_batch(&completions);
             if let Err(e) = self.record_turn(index, &next, text, Some(carried)).await {
-                nak_all(&taken).await;
+                self.give_back(&taken).await;
                 return Err(e);
             }
             held = taken;

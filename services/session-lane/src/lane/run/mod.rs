@@ -30,7 +30,7 @@ use turnstile_shared::runs::{RunItem, RunRecord, RunState};
 use turnstile_shared::{DeliveryId, SessionId};
 
 use crate::ctx::Ctx;
-use crate::handoff::{acked, disarm_and_recheck, reject, release, retry_later};
+use crate::handoff::{acked, disarm_and_recheck, rearm_if_pending, reject, release, retry_later};
 use driver::{DriveError, Driver};
 use events::event;
 
@@ -69,37 +69,44 @@ pub(super) async fn run_run(
         cancel,
         run: record,
         settled: None,
+        gave_back: false,
     };
     match driver.drive().await {
         Ok(Some(end)) => {
             if let Err(e) = driver.end(end).await {
                 return retry(ctx, &msg, &item, &e.to_string()).await;
             }
-            finish(ctx, session, &msg, &item, marker).await;
+            finish(ctx, session, &msg, &item, marker, driver.gave_back).await;
         }
         // Cancelled (replica stopping): the lane moves, the run continues elsewhere.
         Ok(None) => release(ctx, &msg).await,
         // Another driver of this run ended it meanwhile: nothing more is written for it.
         Err(DriveError::Ended) => {
             tracing::info!(run = %item.run, "the run was ended by another driver; this one stops");
-            finish(ctx, session, &msg, &item, marker).await;
+            finish(ctx, session, &msg, &item, marker, driver.gave_back).await;
         }
         Err(e) => retry(ctx, &msg, &item, &e.to_string()).await,
     }
 }
 
-/// An ended run's item: its delivery marker released, the item acked.
+/// An ended run's item: its delivery marker released, the item acked. Completions the run
+/// gave back (`gave_back`) wait for redelivery, counted as held, not pending: the recheck of
+/// the marker's release does not see them, so a delivery is armed for them here.
 async fn finish(
     ctx: &Ctx,
     session: &SessionRecord,
     msg: &jetstream::Message,
     item: &RunItem,
     marker: Option<DeliveryItem>,
+    gave_back: bool,
 ) {
     if let Some(m) = marker {
         if let Err(e) = disarm_and_recheck(ctx, &session.id, &m, None).await {
             tracing::warn!(run = %item.run, error = %e, "release delivery marker");
         }
+    }
+    if gave_back {
+        rearm_if_pending(ctx, &session.id);
     }
     acked(ctx, session, msg).await;
 }
