@@ -44,11 +44,16 @@ impl History {
         step_log: &Path,
         schedules: Vec<ScheduleCron>,
     ) -> Result<Self> {
-        let sessions: Vec<SessionRecord> = values(js, subjects::SESSIONS_BUCKET).await?;
-        let turns: Vec<TurnRecord> = values(js, subjects::TURNS_BUCKET).await?;
-        let executions: Vec<ExecutionRecord> = values(js, subjects::EXECUTIONS_BUCKET).await?;
-        let runs: Vec<RunRecord> = values(js, subjects::RUNS_BUCKET).await?;
+        // Read in the order records refer to each other, the referring one first (a slot to
+        // its run, a run to its turns and children, an execution to its turn): when the stack
+        // is still at work (liveness not reached) a record ended after its bucket was read is
+        // simply absent, never found ended while what it names is not read yet (a run read
+        // completed after its turns were read named turns "missing").
         let slots: Vec<SlotRecord> = values(js, subjects::SLOTS_BUCKET).await?;
+        let runs: Vec<RunRecord> = values(js, subjects::RUNS_BUCKET).await?;
+        let executions: Vec<ExecutionRecord> = values(js, subjects::EXECUTIONS_BUCKET).await?;
+        let turns: Vec<TurnRecord> = values(js, subjects::TURNS_BUCKET).await?;
+        let sessions: Vec<SessionRecord> = values(js, subjects::SESSIONS_BUCKET).await?;
         let mut transcripts = HashMap::new();
         for s in &sessions {
             if let Some(conv) = &s.conversation {
