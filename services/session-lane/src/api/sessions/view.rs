@@ -95,14 +95,23 @@ async fn view(
     })
 }
 
-/// The session's completions still on `TS_COMPLETION`: a handed-over one is deleted (R3),
-/// so what is left is pending or being delivered.
+/// The session's completions not handed over yet: what its completion consumer has still to
+/// deliver or holds unacked. A handed-over one is acked, then deleted (R3); a deletion the
+/// store refused (a full disk) leaves an acked copy on `TS_COMPLETION`, which is not pending
+/// (it is never delivered again), so the consumer's counts are read, not the stream's. Before
+/// the session's consumer exists, the stream's messages for the session are counted.
 async fn completion_backlog(ctx: &Ctx, session: &SessionId) -> Result<u64, ApiError> {
     let stream = ctx
         .js
         .get_stream_no_info(subjects::COMPLETION_STREAM)
         .await
         .map_err(ApiError::failure)?;
+    if let Ok(info) = stream
+        .consumer_info(subjects::completion_consumer(session))
+        .await
+    {
+        return Ok(info.num_pending + info.num_ack_pending as u64);
+    }
     let mut per_subject = stream
         .info_with_subjects(subjects::completion_session_all(session))
         .await
