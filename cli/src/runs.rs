@@ -390,6 +390,7 @@ mod tests {
             }],
             cancel: None,
             attempt: 0,
+            driver: None,
             state: RunState::Failed {
                 started_at: Some(t),
                 ended_at: t,

@@ -100,8 +100,37 @@ pub struct RunRecord {
     /// How often it was retried (`turnstile run retry`); turns of a retry get fresh ids.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub attempt: u32,
+    /// The delivery of the run's lane item that drives it (R1): the one that claimed it last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<DriverClaim>,
     #[serde(flatten)]
     pub state: RunState,
+}
+
+/// Which delivery of a run's lane item drives the run. The lane's consumer hands an unacked
+/// item out again once its ack wait ran out (a stall of NATS or of the holder longer than
+/// that): the earlier holder may still be driving, unaware. Each driver claims the run when it
+/// starts and writes the run's progress and end only while its claim is the stored one, so
+/// of two drivers at once only the later writes: the earlier stops at its next write,
+/// touching neither the item nor the run again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriverClaim {
+    /// The run item's sequence on the lane stream (a retry's item is a later one).
+    pub item: u64,
+    /// How often the lane's consumer has handed that item out, this delivery included.
+    pub delivery: u64,
+    /// Tells apart two deliveries numbered alike: a consumer leader that died before its count
+    /// was replicated has the next leader number the next delivery the same.
+    pub token: String,
+}
+
+impl DriverClaim {
+    /// Whether this claim may replace `current`: a later item, or the same or a later delivery
+    /// of the same one (of two alike, the later claim wins). An earlier delivery never does:
+    /// its holder is the one to stop.
+    pub fn supersedes(&self, current: &DriverClaim) -> bool {
+        (self.item, self.delivery) >= (current.item, current.delivery)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -234,5 +263,26 @@ mod tests {
         assert_eq!(r.turn(0, 0), r.turn(0, 0));
         assert_ne!(r.turn(0, 1), r.turn(1, 0));
         assert!(r.turn(12, 100).as_str().starts_with("trn_"));
+    }
+
+    #[test]
+    fn a_later_delivery_or_item_supersedes_a_drivers_claim_and_an_earlier_never_does() {
+        let claim = |item, delivery, token: &str| DriverClaim {
+            item,
+            delivery,
+            token: token.into(),
+        };
+        let held = claim(7, 2, "a");
+        assert!(claim(7, 3, "b").supersedes(&held));
+        assert!(
+            claim(7, 2, "b").supersedes(&held),
+            "alike: the later claim wins"
+        );
+        assert!(
+            claim(9, 1, "b").supersedes(&held),
+            "a retry's item is a later one"
+        );
+        assert!(!claim(7, 1, "b").supersedes(&held));
+        assert!(!claim(6, 5, "b").supersedes(&held));
     }
 }

@@ -735,3 +735,106 @@ async fn ended_elsewhere(stack: &mut Stack) -> Result<()> {
     delivered?;
     Ok(())
 }
+
+/// R1, R3: of two deliveries of one run's lane item driving the run at once, only the later
+/// writes or types anything. The campaign (60 min, three nodes) found a run item handed out
+/// again while its holder still drove it (NATS restarting past the item's ack wait, no progress
+/// ack taken meanwhile): both drivers took completions for the same next turn, the one whose
+/// record lost settled what it held as handed over, and those completions were never typed.
+/// The race itself is not reproducible by timing, so the later delivery's claim on the run
+/// is written as it would write it, while the first driver waits on its turn's step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_driver_whose_item_was_handed_out_again_stops_and_the_later_one_drives() -> Result<()>
+{
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = claimed_by_a_later_delivery(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn claimed_by_a_later_delivery(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::records::TurnState;
+    use turnstile_shared::runs::{DriverClaim, RunRecord, RunState};
+    use turnstile_shared::subjects;
+    let s = stack.create_session("claimed-later", None).await?;
+    let first_text = "start the build\n!step build 1s\n!sleep 200ms";
+    let run = stack.start_run(&s, &[first_text], None).await?;
+    let first = run.turn_id(0, 0);
+    stack.wait_running(&first).await?;
+    let store = stack.js.get_key_value(subjects::RUNS_BUCKET).await?;
+    let runs = turnstile_shared::kv::Bucket::new(store, subjects::RUNS_BUCKET, stack.js.clone());
+    let (rec, _) = runs
+        .get::<RunRecord>(run.id.as_str())
+        .await?
+        .context("the run record")?;
+    let mine = rec
+        .driver
+        .clone()
+        .context("the driver's claim on the run")?;
+    ensure!(mine.delivery == 1, "the first driver claimed {mine:?}");
+    // The claim the item's next delivery writes as it starts: the first driver's is replaced.
+    let later = DriverClaim {
+        delivery: mine.delivery + 1,
+        token: "a later delivery".into(),
+        ..mine.clone()
+    };
+    runs.edit::<RunRecord, _>(run.id.as_str(), |r| r.driver = Some(later.clone()))
+        .await?
+        .context("the run record")?;
+    // The build step ends and its completion comes back: the first driver would hand it over.
+    // It stops instead, touching neither the item nor the completion; the item comes back
+    // after its ack wait and that delivery hands the completion over and ends the run.
+    let done = stack.wait_run(&run.id, Duration::from_secs(40)).await?;
+    ensure!(
+        matches!(done.state, RunState::Completed { .. }),
+        "the run ended {:?}",
+        done.state
+    );
+    let last = done.driver.clone().context("the last driver's claim")?;
+    ensure!(
+        last.delivery > mine.delivery && last != later,
+        "the run was ended by {last:?}, not by a delivery after the one that replaced {mine:?}"
+    );
+    let handover = run.turn_id(0, 1);
+    let rec = stack
+        .turn(&handover)
+        .await?
+        .context("the hand-over turn's record")?;
+    ensure!(
+        matches!(rec.state, TurnState::Completed { .. }) && rec.text.contains("build"),
+        "the hand-over turn was {:?}: {}",
+        rec.state,
+        rec.text
+    );
+    // Typed by a delivery after the replaced one: every dispatch says which delivery of its
+    // item it came from (`turn.started`), once per delivery (the event's id is the turn's).
+    let typed_by: Vec<u64> = stack
+        .events()
+        .await?
+        .iter()
+        .filter(|e| e.kind == "turn.started" && e.turn.as_ref() == Some(&handover))
+        .filter_map(|e| e.data.get("delivery").and_then(|d| d.as_u64()))
+        .collect();
+    ensure!(
+        !typed_by.is_empty() && typed_by.iter().all(|d| *d > mine.delivery),
+        "the hand-over turn was dispatched by deliveries {typed_by:?} of the run's item; the \
+         first ({}) was replaced before it",
+        mine.delivery
+    );
+    let typed: Vec<String> = stack
+        .transcript(&s)
+        .await?
+        .into_iter()
+        .filter(|m| m != first_text && m.contains("build"))
+        .collect();
+    ensure!(
+        typed.len() == 1,
+        "the build step's completion was typed {} times: {typed:?}",
+        typed.len()
+    );
+    let said = std::fs::read_to_string(stack.lanes.get("a").context("replica a")?.log_path())?;
+    ensure!(
+        said.contains("this driver stops"),
+        "the first driver did not say it stopped"
+    );
+    Ok(())
+}

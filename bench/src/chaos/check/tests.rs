@@ -150,6 +150,7 @@ fn clean() -> Clean {
             }],
             cancel: None,
             attempt: 0,
+            driver: None,
             state: RunState::Completed {
                 started_at: at(6),
                 ended_at: at(7),

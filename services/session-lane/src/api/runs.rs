@@ -45,6 +45,7 @@ pub(super) async fn start_run(ctx: Arc<Ctx>, req: StartRun) -> Result<RunRecord,
         progress: Vec::new(),
         cancel: None,
         attempt: 0,
+        driver: None,
         state: RunState::Queued,
     };
     let record = match ctx

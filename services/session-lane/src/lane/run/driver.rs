@@ -16,7 +16,7 @@ use turnstile_shared::kv::Change;
 use turnstile_shared::records::{
     Carried, KnownTurn, SessionRecord, TurnCommand, TurnRecord, TurnState,
 };
-use turnstile_shared::runs::{run_reason, MessageProgress, RunRecord, RunState};
+use turnstile_shared::runs::{run_reason, DriverClaim, MessageProgress, RunRecord, RunState};
 use turnstile_shared::{DeliveryId, ExecutionId, TurnId};
 
 use super::events::event;
@@ -42,6 +42,9 @@ pub(super) enum DriveError {
     /// The run ended elsewhere while this driver ran: its item is settled as an ended run's.
     #[error("the run has ended")]
     Ended,
+    /// A later delivery of the run's item claimed the run (`DriverClaim`): this driver stops.
+    #[error("a later delivery of the run's item drives it")]
+    Superseded,
     #[error(transparent)]
     Fenced(#[from] crate::liveness::Fenced),
 }
@@ -57,6 +60,8 @@ pub(super) struct Driver<'a> {
     pub(super) msg: &'a jetstream::Message,
     pub(super) cancel: &'a CancellationToken,
     pub(super) run: RunRecord,
+    /// This driver's claim on the run: it writes only while the stored claim is this one.
+    pub(super) claim: DriverClaim,
     /// The last turn this driver settled: a bound met after it does not settle it twice.
     pub(super) settled: Option<TurnId>,
     /// Whether it gave completions it had taken back to the session's consumer: a run that
@@ -296,26 +301,38 @@ impl Driver<'_> {
         .await
     }
 
-    /// Edits the run's progress. A run that has ended is never written again: its record is
-    /// left as its end wrote it and this driver stops (`Ended`): another driver of the same
-    /// run (its lane item handed out again, to this replica or another) got there first.
+    /// Edits the run's progress, only while this driver's claim is the stored one. A run that
+    /// has ended is never written again: its record is left as its end wrote it and this
+    /// driver stops (`Ended`): another driver of the same run (its lane item handed out again,
+    /// to this replica or another) got there first. A claim replaced by a later delivery's
+    /// stops it too (`Superseded`), before it types or records anything more.
     async fn update(&mut self, f: impl Fn(&mut RunRecord)) -> Result<(), DriveError> {
         self.ctx.lease.hold().await?;
+        let claim = &self.claim;
         let next = self
             .ctx
             .buckets
             .runs
             .edit::<RunRecord, _>(self.run.id.as_str(), |r| {
-                if !r.state.is_terminal() {
+                if !r.state.is_terminal() && r.driver.as_ref() == Some(claim) {
                     f(r)
                 }
             })
             .await?
             .ok_or(DriveError::Gone)?;
-        if next.state.is_terminal() {
+        self.check_claim(&next)?;
+        self.run = next;
+        Ok(())
+    }
+
+    /// `Ended` if the stored run has ended, `Superseded` if another claim replaced this one.
+    fn check_claim(&self, stored: &RunRecord) -> Result<(), DriveError> {
+        if stored.state.is_terminal() {
             return Err(DriveError::Ended);
         }
-        self.run = next;
+        if stored.driver.as_ref() != Some(&self.claim) {
+            return Err(DriveError::Superseded);
+        }
         Ok(())
     }
 
@@ -369,20 +386,27 @@ impl Driver<'_> {
 
     /// Records the end (R12) and emits `run.completed` or `run.failed`.
     pub(super) async fn end(&mut self, end: End) -> Result<(), DriveError> {
+        self.ctx.lease.hold().await?;
         let state = end.state;
+        let claim = &self.claim;
         let next = self
             .ctx
             .buckets
             .runs
             .modify::<RunRecord, _>(self.run.id.as_str(), |cur| match cur {
-                Some(r) if !r.state.is_terminal() => Change::Write(RunRecord {
-                    state: state.clone(),
-                    ..r.clone()
-                }),
+                Some(r) if !r.state.is_terminal() && r.driver.as_ref() == Some(claim) => {
+                    Change::Write(RunRecord {
+                        state: state.clone(),
+                        ..r.clone()
+                    })
+                }
                 _ => Change::Keep,
             })
             .await?
             .ok_or(DriveError::Gone)?;
+        if !next.state.is_terminal() {
+            return Err(DriveError::Superseded);
+        }
         let k = if matches!(next.state, RunState::Completed { .. }) {
             EventKind::RunCompleted
         } else {

@@ -16,6 +16,7 @@ mod events;
 pub(crate) use events::event as run_event;
 mod wait;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -26,7 +27,7 @@ use turnstile_shared::delivery::{DeliveryItem, DeliveryMarker};
 use turnstile_shared::events::EventKind;
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::SessionRecord;
-use turnstile_shared::runs::{RunItem, RunRecord, RunState};
+use turnstile_shared::runs::{DriverClaim, RunItem, RunRecord, RunState};
 use turnstile_shared::{DeliveryId, SessionId};
 
 use crate::ctx::Ctx;
@@ -56,8 +57,11 @@ pub(super) async fn run_run(
     if record.state.is_terminal() {
         return acked(ctx, session, &msg).await;
     }
-    let record = match start(ctx, record).await {
+    let claim = claim_of(ctx, &msg);
+    let record = match start(ctx, record, &claim).await {
         Ok(r) => r,
+        Err(DriveError::Ended) => return acked(ctx, session, &msg).await,
+        Err(DriveError::Superseded) => return superseded(&item, &claim),
         Err(e) => return retry(ctx, &msg, &item, &e.to_string()).await,
     };
     // R4: while the run holds the lane, its marker tells the broker a deliverer exists.
@@ -68,13 +72,16 @@ pub(super) async fn run_run(
         msg: &msg,
         cancel,
         run: record,
+        claim: claim.clone(),
         settled: None,
         gave_back: false,
     };
     match driver.drive().await {
         Ok(Some(end)) => {
-            if let Err(e) = driver.end(end).await {
-                return retry(ctx, &msg, &item, &e.to_string()).await;
+            match driver.end(end).await {
+                Ok(()) => {}
+                Err(DriveError::Superseded) => return superseded(&item, &claim),
+                Err(e) => return retry(ctx, &msg, &item, &e.to_string()).await,
             }
             finish(ctx, session, &msg, &item, marker, driver.gave_back).await;
         }
@@ -85,8 +92,37 @@ pub(super) async fn run_run(
             tracing::info!(run = %item.run, "the run was ended by another driver; this one stops");
             finish(ctx, session, &msg, &item, marker, driver.gave_back).await;
         }
+        // A later delivery of the item drives the run now: this one touches nothing more,
+        // not the item (that delivery's to ack), nor the marker (it may rely on it).
+        Err(DriveError::Superseded) => superseded(&item, &claim),
         Err(e) => retry(ctx, &msg, &item, &e.to_string()).await,
     }
+}
+
+/// This delivery's claim on the run: the item's lane sequence and delivery count, and a
+/// token of this replica's own.
+fn claim_of(ctx: &Ctx, msg: &jetstream::Message) -> DriverClaim {
+    static CLAIMS: AtomicU64 = AtomicU64::new(0);
+    let (item, delivery) = msg
+        .info()
+        .map_or((0, 0), |i| (i.stream_sequence, i.delivered as u64));
+    DriverClaim {
+        item,
+        delivery,
+        token: format!(
+            "{}/{}",
+            ctx.instance,
+            CLAIMS.fetch_add(1, Ordering::Relaxed)
+        ),
+    }
+}
+
+fn superseded(item: &RunItem, claim: &DriverClaim) {
+    tracing::warn!(
+        run = %item.run,
+        delivery = claim.delivery,
+        "a later delivery of the run's lane item drives it now (this one was handed out again after its ack wait ran out); this driver stops"
+    );
 }
 
 /// An ended run's item: its delivery marker released, the item acked. Completions the run
@@ -100,12 +136,14 @@ async fn finish(
     marker: Option<DeliveryItem>,
     gave_back: bool,
 ) {
-    if let Some(m) = marker {
-        if let Err(e) = disarm_and_recheck(ctx, &session.id, &m, None).await {
+    if let Some(m) = &marker {
+        if let Err(e) = disarm_and_recheck(ctx, &session.id, m, None).await {
             tracing::warn!(run = %item.run, error = %e, "release delivery marker");
         }
     }
-    if gave_back {
+    // A run that found a marker set (an earlier driver's, left when a later delivery took
+    // the run over from it) rechecks too: that marker is nobody's now.
+    if gave_back || marker.is_none() {
         rearm_if_pending(ctx, &session.id);
     }
     acked(ctx, session, msg).await;
@@ -116,30 +154,44 @@ async fn retry(ctx: &Ctx, msg: &jetstream::Message, item: &RunItem, e: &str) {
     retry_later(ctx, msg, Duration::from_millis(500)).await;
 }
 
-async fn start(ctx: &Ctx, record: RunRecord) -> Result<RunRecord, DriveError> {
-    if !matches!(record.state, RunState::Queued) {
-        return Ok(record);
-    }
+/// Claims the run for this delivery of its item (R1) and starts it if it is queued, in one
+/// write. `Superseded` when a later delivery claimed it already; `Ended` when it ended.
+async fn start(ctx: &Ctx, record: RunRecord, claim: &DriverClaim) -> Result<RunRecord, DriveError> {
+    ctx.lease.hold().await?;
     let started_at = Utc::now();
     let next = ctx
         .buckets
         .runs
         .modify::<RunRecord, _>(record.id.as_str(), |cur| match cur {
-            Some(r) if matches!(r.state, RunState::Queued) => Change::Write(RunRecord {
-                state: RunState::Running { started_at },
+            Some(r) if r.state.is_terminal() => Change::Keep,
+            Some(r) if r.driver.as_ref().is_some_and(|d| !claim.supersedes(d)) => Change::Keep,
+            Some(r) => Change::Write(RunRecord {
+                driver: Some(claim.clone()),
+                state: match r.state {
+                    RunState::Queued => RunState::Running { started_at },
+                    ref s => s.clone(),
+                },
                 ..r.clone()
             }),
-            _ => Change::Keep,
+            None => Change::Keep,
         })
         .await?
         .ok_or(DriveError::Gone)?;
-    event(
-        ctx,
-        &next,
-        EventKind::RunStarted,
-        json!({ "messages": next.messages.len() }),
-    )
-    .await;
+    if next.state.is_terminal() {
+        return Err(DriveError::Ended);
+    }
+    if next.driver.as_ref() != Some(claim) {
+        return Err(DriveError::Superseded);
+    }
+    if matches!(record.state, RunState::Queued) {
+        event(
+            ctx,
+            &next,
+            EventKind::RunStarted,
+            json!({ "messages": next.messages.len() }),
+        )
+        .await;
+    }
     Ok(next)
 }
 
