@@ -50,6 +50,16 @@ struct Args {
     plan_only: bool,
 }
 
+const USAGE: &str = "\
+usage: turnstile-bench chaos [--seed N] [--minutes M] [--every SECS] [--replicas 1|3]
+                             [--out history.json] [--png timeline.png] [--plan]
+  --seed N        the fault plan's seed (default: random, printed; the same seed replays it)
+  --minutes M     how long faults are injected (default 10)
+  --every SECS    mean time between faults (default 6)
+  --replicas 1|3  one nats-server, or a three-node cluster in network namespaces (default 1)
+  --out, --png    the figures as JSON, the timeline as a PNG
+  --plan          print the fault plan and exit";
+
 fn parse(args: &[String]) -> Result<Args> {
     let mut out = Args {
         seed: std::time::SystemTime::now()
@@ -85,7 +95,11 @@ fn parse(args: &[String]) -> Result<Args> {
             "--out" => out.out = Some(value()?.into()),
             "--png" => out.png = Some(value()?.into()),
             "--plan" => out.plan_only = true,
-            other => bail!("chaos: unknown argument {other:?}"),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("chaos: unknown argument {other:?}\n{USAGE}"),
         }
     }
     Ok(out)
