@@ -13,7 +13,7 @@ use turnstile_shared::records::AgentKind;
 use turnstile_shared::topology::{Buckets, TopologyConfig};
 use turnstile_shared::{HostName, SessionId, TurnId};
 
-use crate::adapter::{Adapter, SessionSpec};
+use crate::adapters::{Adapter, SessionSpec};
 
 #[derive(Debug, Clone)]
 pub struct Config {

@@ -11,25 +11,17 @@
 //! * `watch`: reports agents that die while their session is idle. Calls `tmux`.
 //! * `heartbeat`: this host's TTL'd record in the hosts bucket. Calls nothing here.
 //! * `ctx`: what the tasks share (the config, NATS handles, adapters, per-session state),
-//!   and the service's `Config` and `Error`. Uses `adapter`'s types.
-//! * `mock`, `generic`: adapters for agents in tmux panes. Call `credentials`, `tmux`.
-//! * `claude`: Claude Code, one headless process per session. Calls `credentials`, `tail`.
-//! * `codex`: Codex CLI, one headless process per turn. Calls `tail`.
-//! * `credentials`: a session's env file, MCP config and launcher. Uses `adapter`'s types.
-//! * `adapter`: the `Adapter` trait every adapter implements, and the instant one. Leaf.
+//!   and the service's `Config` and `Error`. Uses `adapters`' types.
+//! * `adapters`: the `Adapter` trait, the instant adapter, and one file per agent (`mock`,
+//!   `generic` in tmux panes; `claude`, `codex` headless) with `credentials`, a session's env
+//!   file, MCP config and launcher. Call `tmux`, `tail`.
 //! * `tail`: the last lines a process wrote, and its exit status. Leaf.
 //! * `tmux`: the tmux CLI on the transport's private socket. Leaf.
 
-mod adapter;
-mod claude;
-mod codex;
-mod codex_rollout;
+mod adapters;
 mod commands;
-mod credentials;
 mod ctx;
-mod generic;
 mod heartbeat;
-mod mock;
 mod steps;
 mod tail;
 mod tmux;
@@ -42,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::config::Connected;
 use turnstile_shared::records::AgentKind;
 
-pub use adapter::{Adapter, Adopted, InstantAdapter, Ready, SessionSpec, TurnEnd, Unavailable};
+pub use adapters::{Adapter, Adopted, InstantAdapter, Ready, SessionSpec, TurnEnd, Unavailable};
 use ctx::Ctx;
 pub use ctx::{default_agent_bin, Config, Error};
 
@@ -70,7 +62,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     let mut adapters: HashMap<AgentKind, Arc<dyn Adapter>> = HashMap::new();
     adapters.insert(
         AgentKind::Mock,
-        Arc::new(mock::MockAdapter {
+        Arc::new(adapters::mock::MockAdapter {
             tmux,
             agent_bin: config.agent_bin.clone(),
             state_dir: config.mock_state_dir.clone(),
@@ -82,7 +74,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     adapters.insert(AgentKind::Instant, Arc::new(InstantAdapter));
     adapters.insert(
         AgentKind::Claude,
-        Arc::new(claude::ClaudeAdapter::new(
+        Arc::new(adapters::claude::ClaudeAdapter::new(
             config.claude_bin.clone(),
             config.data_dir.clone(),
             config.agent_nats_url(),
@@ -91,7 +83,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     );
     adapters.insert(
         AgentKind::Tmux,
-        Arc::new(generic::GenericAdapter {
+        Arc::new(adapters::generic::GenericAdapter {
             tmux: generic_tmux,
             data_dir: config.data_dir.clone(),
             nats_url: config.agent_nats_url(),
@@ -101,7 +93,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     );
     adapters.insert(
         AgentKind::Codex,
-        Arc::new(codex::CodexAdapter::new(
+        Arc::new(adapters::codex::CodexAdapter::new(
             config.codex_bin.clone(),
             config.data_dir.clone(),
             config.agent_nats_url(),

@@ -4,7 +4,7 @@ use chrono::Utc;
 use turnstile_shared::kv::Change;
 use turnstile_shared::records::{TurnRecord, TurnState};
 
-use crate::adapter::TurnEnd;
+use crate::adapters::TurnEnd;
 use crate::ctx::Ctx;
 
 /// Writes the outcome unless another writer already ended the turn.

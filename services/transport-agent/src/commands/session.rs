@@ -11,7 +11,7 @@ use turnstile_shared::kv::Change;
 use turnstile_shared::records::{reason, SessionRecord};
 use turnstile_shared::SessionId;
 
-use crate::adapter::{Adapter, SessionSpec, TurnEnd};
+use crate::adapters::{Adapter, SessionSpec, TurnEnd};
 use crate::ctx::Ctx;
 
 pub(super) async fn spec_for(ctx: &Ctx, session: &SessionId) -> Option<(SessionSpec, bool)> {

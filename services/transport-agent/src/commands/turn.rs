@@ -12,7 +12,7 @@ use turnstile_shared::{subjects, TurnId};
 
 use super::record::{record_end, record_end_from};
 use super::session::{adapter, ensure_ready, is_stopped, spec_for};
-use crate::adapter::{Adapter, Adopted, SessionSpec, TurnEnd};
+use crate::adapters::{Adapter, Adopted, SessionSpec, TurnEnd};
 use crate::ctx::Ctx;
 
 /// Forgets a turn as active when its handler ends, however it ends.

@@ -1,5 +1,20 @@
-//! The one trait every agent adapter implements: how to bring a session's agent to a ready
-//! prompt (launching or resuming it), type a turn and recognise its end, and stop it.
+//! The agent adapters, and the one trait every adapter implements: how to bring a session's
+//! agent to a ready prompt (launching or resuming it), type a turn and recognise its end, and
+//! stop it. One file per adapter; they call down into `credentials` (a session's env file, MCP
+//! config and launcher) and the host's infrastructure (`crate::tmux`, `crate::tail`), never
+//! into each other or up into the commands that drive them.
+//!
+//! - `mock`, `generic`: agents in tmux panes (the bundled mock agent; any CLI with a prompt);
+//! - `claude`: Claude Code, one headless process per session;
+//! - `codex`: Codex CLI, one headless process per turn (`codex_rollout`: its session files);
+//! - [`InstantAdapter`] (here): completes every turn at once, for benchmarks.
+
+pub(crate) mod claude;
+pub(crate) mod codex;
+mod codex_rollout;
+mod credentials;
+pub(crate) mod generic;
+pub(crate) mod mock;
 
 use std::path::PathBuf;
 use std::time::Duration;

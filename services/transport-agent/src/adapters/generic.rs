@@ -15,8 +15,8 @@ use regex::Regex;
 use tokio::time::Instant;
 use turnstile_shared::records::{reason, LaunchSpec};
 
-use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
-use crate::credentials::SessionFiles;
+use super::credentials::SessionFiles;
+use crate::adapters::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
 use crate::tmux::{PaneState, Tmux};
 
 const EVIDENCE_LINES: usize = 20;

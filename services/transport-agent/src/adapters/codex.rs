@@ -30,7 +30,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use turnstile_shared::records::reason;
 use turnstile_shared::{ConversationId, SessionId};
 
-use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
+use crate::adapters::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
 use crate::tail::{exit_status, Tail};
 
 const TAIL: usize = 20;
@@ -83,9 +83,9 @@ impl CodexAdapter {
         {
             return Some(p);
         }
-        let home = crate::codex_rollout::codex_home()?;
+        let home = super::codex_rollout::codex_home()?;
         let t = thread.clone();
-        let found = tokio::task::spawn_blocking(move || crate::codex_rollout::find(&home, &t))
+        let found = tokio::task::spawn_blocking(move || super::codex_rollout::find(&home, &t))
             .await
             .ok()
             .flatten()?;
@@ -104,7 +104,7 @@ impl CodexAdapter {
         let Some(path) = self.rollout(&thread).await else {
             return Vec::new();
         };
-        tokio::task::spawn_blocking(move || crate::codex_rollout::refused(&path, &SANDBOX_REFUSALS))
+        tokio::task::spawn_blocking(move || super::codex_rollout::refused(&path, &SANDBOX_REFUSALS))
             .await
             .unwrap_or_default()
     }

@@ -11,8 +11,8 @@ use turnstile_shared::records::reason;
 use turnstile_shared::retry::Backoff;
 use turnstile_shared::ConversationId;
 
-use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
-use crate::credentials::SessionFiles;
+use super::credentials::SessionFiles;
+use crate::adapters::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
 use crate::tmux::{PaneState, Tmux};
 
 const PROMPT: &str = "❯";

@@ -31,8 +31,8 @@ use turnstile_shared::policy::Policy;
 use turnstile_shared::records::reason;
 use turnstile_shared::{ConversationId, SessionId};
 
-use crate::adapter::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
-use crate::credentials::SessionFiles;
+use super::credentials::SessionFiles;
+use crate::adapters::{Adapter, Adopted, Ready, SessionSpec, TurnEnd, Unavailable};
 use crate::tail::{exit_status, Tail};
 
 /// Lines of stderr kept as evidence.

@@ -5,7 +5,7 @@
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
-use crate::adapter::SessionSpec;
+use crate::adapters::SessionSpec;
 
 /// Where a session's files live, under the transport's data dir.
 pub struct SessionFiles {
