@@ -112,7 +112,9 @@ pub struct RunRecord {
 /// that): the earlier holder may still be driving, unaware. Each driver claims the run when it
 /// starts and writes the run's progress and end only while its claim is the stored one, so
 /// of two drivers at once only the later writes: the earlier stops at its next write,
-/// touching neither the item nor the run again.
+/// touching neither the item nor the run again. A delivery numbered below the stored claim
+/// (a server that lost its last delivery counts in a crash) stops at once too; the item
+/// comes back after each ack wait, one count higher, until it passes the claim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DriverClaim {
     /// The run item's sequence on the lane stream (a retry's item is a later one).
