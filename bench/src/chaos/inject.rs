@@ -106,6 +106,7 @@ impl Injector {
         match fault.kind {
             FaultKind::KillService => {
                 stack.service(&fault.target)?.kill().await?;
+                stack.down.insert(fault.target.clone());
                 Ok(host_of(&fault.target))
             }
             FaultKind::PauseService | FaultKind::HostGone => {
@@ -158,7 +159,10 @@ impl Injector {
     async fn lift(&self, fault: &Fault) -> Result<()> {
         let mut stack = self.stack.lock().await;
         match fault.kind {
-            FaultKind::KillService => stack.service(&fault.target)?.restart().await,
+            FaultKind::KillService => {
+                stack.down.remove(&fault.target);
+                stack.service(&fault.target)?.restart().await
+            }
             FaultKind::PauseService | FaultKind::HostGone => {
                 let pid = stack.service(&fault.target)?.pid().context("not running")?;
                 signal(pid, Signal::CONT)
@@ -232,6 +236,47 @@ impl Injector {
 /// The host of a transport's name (`transport-h1` → `h1`).
 fn host_of(target: &str) -> Option<String> {
     target.strip_prefix("transport-").map(str::to_string)
+}
+
+/// How often the supervisor looks for services that exited.
+const SUPERVISE_EVERY: Duration = Duration::from_millis(500);
+
+/// What a deployment's supervisor (systemd, a container's restart policy) does: a service
+/// that exited by itself (a fenced session-lane replica exits so that it comes back as a new
+/// instance) is started again, within [`SUPERVISE_EVERY`]. Services a `kill_service` fault
+/// holds down are the fault's to restart. Runs until `stop`; returns how many it restarted.
+pub async fn supervise(
+    stack: &Mutex<ChaosStack>,
+    stop: tokio_util::sync::CancellationToken,
+) -> usize {
+    let mut restarted = 0;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return restarted,
+            _ = tokio::time::sleep(SUPERVISE_EVERY) => {}
+        }
+        let mut stack = stack.lock().await;
+        let ChaosStack { services, down, .. } = &mut *stack;
+        for (name, p) in services.iter_mut() {
+            if down.contains(name) {
+                continue;
+            }
+            let Ok(Some(status)) = p.try_exit_status() else {
+                continue;
+            };
+            match p.restart().await {
+                Ok(()) => {
+                    restarted += 1;
+                    eprintln!(
+                        "chaos: {name} exited ({status}); started again, as its supervisor would"
+                    );
+                }
+                Err(e) => {
+                    eprintln!("chaos: {name} exited ({status}); starting it again failed: {e:#}")
+                }
+            }
+        }
+    }
 }
 
 /// Resumes every process that might be paused and starts every one that is not running, so

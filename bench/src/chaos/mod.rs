@@ -190,6 +190,15 @@ async fn campaign(
         args.seed,
         started,
     ));
+    let supervisor = {
+        let stack = stack.clone();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn({
+            let stop = stop.clone();
+            async move { inject::supervise(&stack, stop).await }
+        });
+        (stop, task)
+    };
     let faults = {
         let injector = injector.clone();
         let plan = plan.clone();
@@ -228,6 +237,11 @@ async fn campaign(
         tokio::time::sleep(pause).await;
     }
     let injected = faults.await.context("fault task")?;
+    supervisor.0.cancel();
+    let restarted = supervisor.1.await.unwrap_or(0);
+    eprintln!(
+        "chaos: the supervisor started {restarted} exited service(s) again during the faults"
+    );
     inject::heal(&stack).await?;
     workload::pause(&client, &crons).await?;
     eprintln!("chaos: faults over; waiting for the stack to go quiet");

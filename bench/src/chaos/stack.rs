@@ -38,6 +38,8 @@ pub struct ChaosStack {
     pub no_net: Option<String>,
     /// By name: `lane-a`, `broker-b1`, `scheduler-s1`, `transport-h1`.
     pub services: BTreeMap<String, ServiceProcess>,
+    /// Services a `kill_service` fault holds down: the supervisor leaves them to the fault.
+    pub down: std::collections::BTreeSet<String>,
     /// Logs, stores, mock agents' transcripts; kept after a failed campaign (`keep`).
     dir: PathBuf,
     cleanup: Option<tempfile::TempDir>,
@@ -90,6 +92,7 @@ impl ChaosStack {
             net,
             no_net,
             services: BTreeMap::new(),
+            down: Default::default(),
             dir: dir.path().to_path_buf(),
             cleanup: Some(dir),
         };
