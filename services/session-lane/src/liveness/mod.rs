@@ -259,9 +259,11 @@ async fn renew_own(ctx: &Ctx, key: &str, alive: &Alive, revision: u64) -> Result
 enum Renewal {
     /// Stored at this revision.
     Stored(u64),
-    /// Refused, but the key still holds a value at this later revision: one of this
-    /// instance's own renewals was stored and its reply lost (a NATS restart). Nobody else
-    /// ever writes the key (a survivor only deletes it), so it is still ours.
+    /// Refused, but the key still holds a value, at this revision: at a later one, one of
+    /// this instance's own renewals was stored and its reply lost (a NATS restart); at an
+    /// earlier one, the store lost this instance's last renewals (a node that restarted
+    /// behind, or lost acknowledged writes). Nobody else ever writes a value to the key (a
+    /// survivor only deletes it), so it is still ours either way.
     Behind(u64),
     /// The key is gone: a survivor took this instance over.
     Taken,
@@ -275,8 +277,8 @@ async fn renew_at(bucket: &Bucket, key: &str, alive: &Alive, revision: u64) -> R
     match bucket.update(key, alive, revision).await {
         Ok(Some(r)) => Renewal::Stored(r),
         Ok(None) => match bucket.get::<serde_json::Value>(key).await {
-            Ok(Some((_, found))) if found > revision => Renewal::Behind(found),
-            Ok(_) => Renewal::Taken,
+            Ok(Some((_, found))) => Renewal::Behind(found),
+            Ok(None) => Renewal::Taken,
             Err(e) => Renewal::Failed(e),
         },
         Err(e) => Renewal::Failed(e),
@@ -497,10 +499,17 @@ mod tests {
             matches!(found, Renewal::Behind(r) if r == lost),
             "{found:?}"
         );
-        assert!(matches!(
-            renew_at(&bucket, key, &alive, lost).await,
-            Renewal::Stored(r) if r > lost
-        ));
+        let stored = match renew_at(&bucket, key, &alive, lost).await {
+            Renewal::Stored(r) if r > lost => r,
+            other => anyhow::bail!("renewal at the revision found: {other:?}"),
+        };
+        // The store lost renewals it had acknowledged (the replica believes a later revision
+        // than the key holds): the key still holds a value, so it is still this instance's.
+        let found = renew_at(&bucket, key, &alive, stored + 5).await;
+        assert!(
+            matches!(found, Renewal::Behind(r) if r == stored),
+            "{found:?}"
+        );
         // A survivor's take-over deletes the key: then the refusal is a fence.
         let now = bucket
             .get::<serde_json::Value>(key)
