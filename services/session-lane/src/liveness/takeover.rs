@@ -137,12 +137,12 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64, eviden
         }
     };
     let pinned_ms = started.elapsed().as_millis() as u64;
-    let listed = std::sync::atomic::AtomicBool::new(true);
+    let mut listed = true;
     let moved = lane_pages(&ctx.js)
         .flat_map(|page: Result<Vec<Info>, ListError>| {
             let infos = page.unwrap_or_else(|e| {
                 tracing::error!(%instance, error = %e, "the dead replica's lanes not listed move after the pin TTL");
-                listed.store(false, std::sync::atomic::Ordering::Relaxed);
+                listed = false;
                 Vec::new()
             });
             futures::stream::iter(infos)
@@ -160,7 +160,6 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64, eviden
         .filter(|moved| std::future::ready(*moved))
         .count()
         .await;
-    let listed = listed.load(std::sync::atomic::Ordering::Relaxed);
     purge(&ctx, &subjects::replica_pins(&instance)).await;
     purge(&ctx, &key).await;
     tracing::info!(%instance, lanes = moved, pins = pins.len(), pinned_ms, listed, elapsed_ms = started.elapsed().as_millis() as u64, "took over a dead replica's lanes");

@@ -16,7 +16,6 @@ mod events;
 pub(crate) use events::event as run_event;
 mod wait;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -42,8 +41,8 @@ pub(super) async fn run_run(
     item: RunItem,
     cancel: &CancellationToken,
 ) {
-    let record = match ctx.buckets.runs.get::<RunRecord>(item.run.as_str()).await {
-        Ok(Some((r, _))) => r,
+    let (record, revision) = match ctx.buckets.runs.get::<RunRecord>(item.run.as_str()).await {
+        Ok(Some(found)) => found,
         Ok(None) => {
             let reason = format!("no run record {}", item.run);
             return reject(ctx, session, &msg, &reason).await;
@@ -57,8 +56,8 @@ pub(super) async fn run_run(
     if record.state.is_terminal() {
         return acked(ctx, session, &msg).await;
     }
-    let claim = claim_of(ctx, &msg);
-    let record = match start(ctx, record, &claim).await {
+    let claim = claim_of(&msg);
+    let record = match start(ctx, record, revision, &claim).await {
         Ok(r) => r,
         Err(DriveError::Ended) => return acked(ctx, session, &msg).await,
         Err(DriveError::Superseded) => return superseded(&item, &claim),
@@ -99,21 +98,17 @@ pub(super) async fn run_run(
     }
 }
 
-/// This delivery's claim on the run: the item's lane sequence and delivery count, and a
-/// token of this replica's own.
-fn claim_of(ctx: &Ctx, msg: &jetstream::Message) -> DriverClaim {
-    static CLAIMS: AtomicU64 = AtomicU64::new(0);
+/// This delivery's claim on the run: the item's lane sequence and delivery count, and as its
+/// token the delivery's ack subject, which no other delivery shares (it carries the consumer's
+/// delivery sequence and the server's delivery time).
+fn claim_of(msg: &jetstream::Message) -> DriverClaim {
     let (item, delivery) = msg
         .info()
         .map_or((0, 0), |i| (i.stream_sequence, i.delivered as u64));
     DriverClaim {
         item,
         delivery,
-        token: format!(
-            "{}/{}",
-            ctx.instance,
-            CLAIMS.fetch_add(1, Ordering::Relaxed)
-        ),
+        token: msg.reply.as_deref().unwrap_or_default().to_string(),
     }
 }
 
@@ -155,26 +150,36 @@ async fn retry(ctx: &Ctx, msg: &jetstream::Message, item: &RunItem, e: &str) {
 }
 
 /// Claims the run for this delivery of its item (R1) and starts it if it is queued, in one
-/// write. `Superseded` when a later delivery claimed it already; `Ended` when it ended.
-async fn start(ctx: &Ctx, record: RunRecord, claim: &DriverClaim) -> Result<RunRecord, DriveError> {
+/// write, from the record as the item's handler read it at `revision` (read again only on a
+/// conflict). `Superseded` when a later delivery claimed it already; `Ended` when it ended.
+async fn start(
+    ctx: &Ctx,
+    record: RunRecord,
+    revision: u64,
+    claim: &DriverClaim,
+) -> Result<RunRecord, DriveError> {
     ctx.lease.hold().await?;
     let started_at = Utc::now();
     let next = ctx
         .buckets
         .runs
-        .modify::<RunRecord, _>(record.id.as_str(), |cur| match cur {
-            Some(r) if r.state.is_terminal() => Change::Keep,
-            Some(r) if r.driver.as_ref().is_some_and(|d| !claim.supersedes(d)) => Change::Keep,
-            Some(r) => Change::Write(RunRecord {
-                driver: Some(claim.clone()),
-                state: match r.state {
-                    RunState::Queued => RunState::Running { started_at },
-                    ref s => s.clone(),
-                },
-                ..r.clone()
-            }),
-            None => Change::Keep,
-        })
+        .modify_from::<RunRecord, _>(
+            record.id.as_str(),
+            Some((record.clone(), revision)),
+            |cur| match cur {
+                Some(r) if r.state.is_terminal() => Change::Keep,
+                Some(r) if r.driver.as_ref().is_some_and(|d| !claim.supersedes(d)) => Change::Keep,
+                Some(r) => Change::Write(RunRecord {
+                    driver: Some(claim.clone()),
+                    state: match r.state {
+                        RunState::Queued => RunState::Running { started_at },
+                        ref s => s.clone(),
+                    },
+                    ..r.clone()
+                }),
+                None => Change::Keep,
+            },
+        )
         .await?
         .ok_or(DriveError::Gone)?;
     if next.state.is_terminal() {
