@@ -534,9 +534,7 @@ stage="down and up again"
 # is handed over exactly once, and a slot of the schedule that falls after `up` fires and its
 # run completes.
 pending="$(cli session create --agent mock --name pending --host host-b | tr -d '\r')"
-# The step outlasts the time it takes to queue pend-2 behind pend-1 (each CLI call here is a
-# container start): with 2 s it once ended first and was handed over before pend-2 was typed.
-"$bin/turnstile" session send "$pending" $'pend-1\n!step pstep 10s --scope detached' --wait \
+"$bin/turnstile" session send "$pending" $'pend-1\n!step pstep 2s --scope detached' --wait \
   --timeout 60s > "$work/pend-1.out"
 "$bin/turnstile" session send "$pending" $'pend-2\n!sleep 600s' > "$work/pend-2.out"
 deadline=$((SECONDS + 60))
