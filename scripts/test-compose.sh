@@ -552,6 +552,9 @@ host_b_transcripts() {
 }
 if host_b_transcripts | grep -q -- "- pstep \["; then
   echo "test-compose: pstep's completion was handed over while its session was busy" >&2
+  # What the session did, in order (pend-2's outcome among it), and what the agent was typed.
+  "$bin/turnstile" events --session "$pending" --replay --no-follow >&2 || true
+  host_b_transcripts >&2 || true
   exit 1
 fi
 echo "test-compose: step pstep completed while its session is busy: its completion is pending"

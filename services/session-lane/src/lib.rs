@@ -8,7 +8,11 @@
 //! (`house.rs::no_import_cycles_between_files`).
 //!
 //! - `api`: the request/reply APIs: `api/sessions/` (`ts.api.session.*`, a file per concern)
-//!   and `api/runs.rs` (`ts.api.runs.*`). Calls `handoff`, `lane` (run events), `ctx`.
+//!   and `api/runs.rs` (`ts.api.runs.*`). Calls `handoff`, `lane` (run events), `orphan_runs`,
+//!   `ctx`.
+//! - `orphan_runs`: the backstop that publishes again the lane item of a run queued with none,
+//!   and ends a run queued on a stopped session. Calls `lane` (run events), `ctx`,
+//!   `bucket_watch`.
 //! - `supervisor`: one lane worker per active session on this replica, started and stopped
 //!   from a watch of the sessions bucket. Calls `lane`, `ctx`, `bucket_watch`.
 //! - `lane`: the lane worker: `lane/mod.rs` pulls the session's next item and matches on its
@@ -37,6 +41,7 @@ mod handoff;
 mod host_watch;
 mod lane;
 mod liveness;
+mod orphan_runs;
 mod placement;
 mod supervisor;
 mod turn_watch;
@@ -65,6 +70,9 @@ pub struct Config {
     /// How often this replica says it is alive, and how long a silent one is given before a
     /// survivor takes its lanes over.
     pub liveness: LivenessTiming,
+    /// How long a run may stay `queued` with no item on its lane before its item is published
+    /// again (`orphan_runs`).
+    pub orphan_run_after: Duration,
 }
 
 impl Config {
@@ -76,6 +84,7 @@ impl Config {
             replica: format!("lane-{}", std::process::id()),
             shutdown_grace: Duration::from_secs(10),
             liveness: LivenessTiming::default(),
+            orphan_run_after: Duration::from_secs(60),
         }
     }
 }
@@ -171,6 +180,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
     });
     ctx.probe_session_state();
     tokio::spawn(host_watch::watch_hosts(ctx.clone(), stop.child_token()));
+    tokio::spawn(orphan_runs::run(
+        ctx.clone(),
+        config.orphan_run_after,
+        stop.child_token(),
+    ));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");
 
     // Liveness outlives the lanes on a graceful stop: their last acts run under its lease.

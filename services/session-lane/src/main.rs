@@ -20,6 +20,10 @@ struct Args {
     /// Name of this replica in events (default: lane-<pid>).
     #[arg(long, env = "TURNSTILE_REPLICA")]
     replica: Option<String>,
+    /// How long a run may stay queued with no item on its lane before its item is published
+    /// again (a backstop for an item the store lost).
+    #[arg(long, env = "TURNSTILE_ORPHAN_RUN_AFTER", default_value = "60s", value_parser = turnstile_shared::duration::parse_flag)]
+    orphan_run_after: std::time::Duration,
 }
 
 #[tokio::main]
@@ -28,6 +32,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut config = turnstile_session_lane::Config::new(args.nats.url);
     config.topology = args.topology.to_config();
+    config.orphan_run_after = args.orphan_run_after;
     if let Some(r) = args.replica {
         config.replica = r;
     }

@@ -838,3 +838,74 @@ async fn claimed_by_a_later_delivery(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// R14, R12: a run whose record says `queued` but whose lane holds no item for it still runs,
+/// once. The campaign (60 min, three nodes) left runs queued for ever: during a quorum loss
+/// the server reported their lanes' consumers deleted, and the items, acknowledged when the
+/// runs were queued, were never handed out. A run record written with no item (as a lost item
+/// leaves it) is found by the replica's backstop and its item published again; a run queued
+/// behind a long turn, its item on the lane all along, is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_queued_whose_lane_item_was_lost_still_runs_once() -> Result<()> {
+    let mut stack =
+        Stack::start_with(&["a"], &["h1"], &[("TURNSTILE_ORPHAN_RUN_AFTER", "1s")]).await?;
+    let r = item_lost(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn item_lost(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::runs::{RunRecord, RunState};
+    use turnstile_shared::subjects;
+    let s = stack.create_session("item-lost", None).await?;
+    // A turn that outlasts the backstop's wait several times, and a run queued behind it.
+    let long = stack.send(&s, "!sleep 4s").await?;
+    stack.wait_running(&long).await?;
+    let behind = stack
+        .start_run(&s, &["queued behind the long turn"], None)
+        .await?;
+    // A run whose item was lost: its record as `runs.start` writes it, and nothing on the lane.
+    let lost = RunRecord {
+        id: turnstile_shared::RunId::default(),
+        session: s.clone(),
+        schedule: None,
+        created_at: chrono::Utc::now(),
+        messages: vec!["the run whose item was lost".into()],
+        finalizer: None,
+        limits: Default::default(),
+        progress: Vec::new(),
+        cancel: None,
+        attempt: 0,
+        driver: None,
+        state: RunState::Queued,
+    };
+    let runs = stack.js.get_key_value(subjects::RUNS_BUCKET).await?;
+    runs.create(lost.id.as_str(), serde_json::to_vec(&lost)?.into())
+        .await?;
+    for run in [&lost.id, &behind.id] {
+        let done = stack.wait_run(run, Duration::from_secs(60)).await?;
+        ensure!(
+            matches!(done.state, RunState::Completed { .. }),
+            "run {run} ended {:?}",
+            done.state
+        );
+    }
+    let typed = stack.transcript(&s).await?;
+    for text in ["the run whose item was lost", "queued behind the long turn"] {
+        let n = typed.iter().filter(|m| m.as_str() == text).count();
+        ensure!(n == 1, "{text:?} was typed {n} times");
+    }
+    let said = std::fs::read_to_string(stack.lanes.get("a").context("replica a")?.log_path())?;
+    let again: Vec<&str> = said
+        .lines()
+        .filter(|l| l.contains("published again"))
+        .collect();
+    ensure!(
+        again.iter().any(|l| l.contains(lost.id.as_str())),
+        "the backstop did not say it published the lost run's item again"
+    );
+    ensure!(
+        !again.iter().any(|l| l.contains(behind.id.as_str())),
+        "the backstop published again the item of a run queued behind a turn: {again:?}"
+    );
+    Ok(())
+}

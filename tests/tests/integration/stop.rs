@@ -1,11 +1,12 @@
-//! R13: stopping a session ends its terminal and fails its queued turns with a named reason;
-//! its lane and consumer are removed, so nothing keeps waiting on it.
+//! R13: stopping a session ends its terminal and fails its queued turns and runs with a named
+//! reason; its lane and consumer are removed, so nothing keeps waiting on it.
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use turnstile_shared::api::{self, SessionRef};
 use turnstile_shared::records::{reason, SessionRecord, TurnRecord, TurnState};
+use turnstile_shared::runs::{run_reason, RunState};
 use turnstile_shared::subjects::{self, api as subj};
 use turnstile_shared::{ExecutionId, SessionId};
 
@@ -31,6 +32,8 @@ async fn stop(stack: &mut Stack) -> Result<()> {
             ],
         )
         .await?;
+    // A run queued behind them, which never starts.
+    let run = stack.start_run(&s, &["never typed"], None).await?;
     stack.wait_running(&turns[0]).await?;
     // The detached step it started, which outlives the session.
     let started = ExecutionId::from(&turns[0]);
@@ -62,6 +65,20 @@ async fn stop(stack: &mut Stack) -> Result<()> {
                 reason::SESSION_STOPPED
             ),
         }
+    }
+    // The queued run ends too, failed with the same reason, never having started (it used to
+    // stay `queued` for ever once its item was purged with the lane).
+    let ended = stack.wait_run(&run.id, Duration::from_secs(8)).await?;
+    match &ended.state {
+        RunState::Failed {
+            reason: r,
+            started_at: None,
+            ..
+        } if r == run_reason::SESSION_STOPPED => {}
+        other => anyhow::bail!(
+            "queued run ended {other:?}, expected {} before it started",
+            run_reason::SESSION_STOPPED
+        ),
     }
     // The step ends after the stop. Its completion is kept for operators, but no delivery is
     // armed on the stopped session's lane (an item its router published before it read the

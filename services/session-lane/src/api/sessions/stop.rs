@@ -109,8 +109,16 @@ pub(super) async fn drain_lane(ctx: &Ctx, session: &SessionId) -> Result<(), Api
             Err(e) => return Err(ApiError::failure(e)),
         };
         seq = msg.sequence;
-        let Ok(LaneItem::Turn(item)) = LaneItem::decode(&msg.payload, session) else {
-            continue;
+        let item = match LaneItem::decode(&msg.payload, session) {
+            Ok(LaneItem::Turn(item)) => item,
+            // A run that had not started never will (a running one ends with its turn).
+            Ok(LaneItem::Run(run)) => {
+                crate::orphan_runs::end_stopped(ctx, &run.run)
+                    .await
+                    .map_err(ApiError::from)?;
+                continue;
+            }
+            _ => continue,
         };
         let ended_at = Utc::now();
         let rec = ctx
