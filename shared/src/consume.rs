@@ -11,6 +11,21 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::retry::Backoff;
+use crate::topology::TopologyError;
+
+/// Why a consumer loop stopped; its caller logs it and resumes ([`until_shutdown`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ConsumeError {
+    /// The durable consumer could not be made or found (NATS down, a stream being moved).
+    #[error(transparent)]
+    Bind(#[from] TopologyError),
+    /// The consumer's pull stream could not be opened (a consumer deleted meanwhile).
+    #[error("open the pull stream: {0}")]
+    Open(#[from] jetstream::consumer::StreamError),
+    /// The pull stream ended (its connection closed).
+    #[error("the pull stream ended")]
+    Ended,
+}
 
 /// Runs `attempt` until it returns `Ok` or `shutdown` fires; an error is logged (with `what`)
 /// and the attempt repeated after 100 ms, doubling to 2 s.
@@ -44,7 +59,7 @@ pub async fn each_message<H, Fut>(
     consumer: PullConsumer,
     shutdown: &CancellationToken,
     handle: H,
-) -> Result<(), async_nats::Error>
+) -> Result<(), ConsumeError>
 where
     H: Fn(jetstream::Message) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
@@ -59,7 +74,7 @@ pub async fn each_message_showing_progress<H, Fut>(
     consumer: PullConsumer,
     shutdown: &CancellationToken,
     handle: H,
-) -> Result<(), async_nats::Error>
+) -> Result<(), ConsumeError>
 where
     H: Fn(jetstream::Message) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
@@ -73,7 +88,7 @@ async fn pull_each<H, Fut>(
     shutdown: &CancellationToken,
     progress: Option<Duration>,
     handle: H,
-) -> Result<(), async_nats::Error>
+) -> Result<(), ConsumeError>
 where
     H: Fn(jetstream::Message) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
@@ -96,7 +111,7 @@ where
                 }
             },
             Some(Err(e)) => tracing::debug!(error = %e, "pull"),
-            None => return Err("pull stream ended".into()),
+            None => return Err(ConsumeError::Ended),
         }
     }
 }

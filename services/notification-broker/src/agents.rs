@@ -37,7 +37,10 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     );
 }
 
-async fn launches(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
+async fn launches(
+    ctx: &Arc<Ctx>,
+    shutdown: &CancellationToken,
+) -> Result<(), consume::ConsumeError> {
     let consumer = topology::ensure_agents_consumer(&ctx.js, &ctx.topology).await?;
     consume::each_message_showing_progress(consumer, shutdown, |msg| {
         let ctx = ctx.clone();
@@ -46,7 +49,10 @@ async fn launches(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), as
     .await
 }
 
-async fn run_ends(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
+async fn run_ends(
+    ctx: &Arc<Ctx>,
+    shutdown: &CancellationToken,
+) -> Result<(), consume::ConsumeError> {
     let consumer = topology::ensure_run_ends_consumer(&ctx.js, &ctx.topology).await?;
     consume::each_message_showing_progress(consumer, shutdown, |msg| {
         let ctx = ctx.clone();

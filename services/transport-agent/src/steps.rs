@@ -33,7 +33,10 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<()
     Ok(())
 }
 
-async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
+async fn consume(
+    ctx: &Arc<Ctx>,
+    shutdown: &CancellationToken,
+) -> Result<(), consume::ConsumeError> {
     let consumer =
         topology::ensure_step_command_consumer(&ctx.js, &ctx.config.topology, &ctx.config.host)
             .await?;

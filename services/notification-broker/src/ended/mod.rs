@@ -37,7 +37,10 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     consume::until_shutdown("ended queue", &shutdown, || consume(&ctx, &shutdown)).await
 }
 
-async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
+async fn consume(
+    ctx: &Arc<Ctx>,
+    shutdown: &CancellationToken,
+) -> Result<(), consume::ConsumeError> {
     let consumer = topology::ensure_ended_consumer(&ctx.js, &ctx.topology).await?;
     consume::each_message_showing_progress(consumer, shutdown, |msg| {
         let ctx = ctx.clone();

@@ -29,7 +29,10 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<()
     Ok(())
 }
 
-async fn consume(ctx: &Arc<Ctx>, shutdown: &CancellationToken) -> Result<(), async_nats::Error> {
+async fn consume(
+    ctx: &Arc<Ctx>,
+    shutdown: &CancellationToken,
+) -> Result<(), consume::ConsumeError> {
     let consumer =
         topology::ensure_transport_consumer(&ctx.js, &ctx.config.topology, &ctx.config.host)
             .await?;
