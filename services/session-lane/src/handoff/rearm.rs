@@ -47,15 +47,23 @@ pub(crate) fn rearm_if_pending(ctx: &Ctx, session: &SessionId) {
         let Ok(stream) = js.get_stream_no_info(subjects::COMPLETION_STREAM).await else {
             return;
         };
-        let pending = match stream
-            .consumer_info(subjects::completion_consumer(&session))
-            .await
-        {
-            Ok(info) => info.num_pending + info.num_ack_pending as u64,
-            Err(_) => 0,
-        };
-        if pending > 0 {
+        if pending_completions(&stream, &session).await.unwrap_or(0) > 0 {
             arm_with(&js, &deliveries, &session, None).await;
         }
     });
+}
+
+/// A session's completions not handed over yet, as its completion consumer counts them: still
+/// to deliver plus held unacked (an acked copy the store failed to remove is neither). `None`
+/// when the consumer cannot be read (not made yet, or the store unreachable). The one
+/// definition `session show` and the re-arm both use.
+pub(crate) async fn pending_completions(
+    stream: &jetstream::stream::Stream<()>,
+    session: &SessionId,
+) -> Option<u64> {
+    let info = stream
+        .consumer_info(subjects::completion_consumer(session))
+        .await
+        .ok()?;
+    Some(info.num_pending + info.num_ack_pending as u64)
 }

@@ -106,11 +106,8 @@ async fn completion_backlog(ctx: &Ctx, session: &SessionId) -> Result<u64, ApiEr
         .get_stream_no_info(subjects::COMPLETION_STREAM)
         .await
         .map_err(ApiError::failure)?;
-    if let Ok(info) = stream
-        .consumer_info(subjects::completion_consumer(session))
-        .await
-    {
-        return Ok(info.num_pending + info.num_ack_pending as u64);
+    if let Some(n) = crate::handoff::pending_completions(&stream, session).await {
+        return Ok(n);
     }
     let mut per_subject = stream
         .info_with_subjects(subjects::completion_session_all(session))
