@@ -68,8 +68,9 @@ async fn still_busy(
         .await?;
         if view.busy || view.queued > 0 || view.pending > 0 {
             let consumer = completion_state(js, &s.id).await;
+            let lane = lane_state(js, &s.id).await;
             return Ok(Some(format!(
-                "session {} busy {} queued {} pending {} ({consumer})",
+                "session {} busy {} queued {} pending {} ({consumer}; {lane})",
                 s.id, view.busy, view.queued, view.pending
             )));
         }
@@ -102,6 +103,43 @@ async fn completion_state(
         },
         Err(e) => format!("completion stream: {e}"),
     }
+}
+
+/// Where the session's lane consumer stands, and whether the item it last delivered is still
+/// stored: a lane held busy by an item the stream no longer has is the server's state, not a
+/// handler still at work.
+async fn lane_state(
+    js: &async_nats::jetstream::Context,
+    session: &turnstile_shared::SessionId,
+) -> String {
+    let name = turnstile_shared::subjects::lane_consumer(session);
+    let stream = match js
+        .get_stream_no_info(turnstile_shared::subjects::LANE_STREAM)
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => return format!("lane stream: {e}"),
+    };
+    let info = match stream.consumer_info(&name).await {
+        Ok(i) => i,
+        Err(e) => return format!("lane consumer {name}: {e}"),
+    };
+    let last = info.delivered.stream_sequence;
+    let item = match stream.get_raw_message(last).await {
+        Ok(m) => match turnstile_shared::lane::LaneItem::decode(&m.payload, session) {
+            Ok(item) => format!("{item:?}"),
+            Err(e) => format!("unreadable: {e}"),
+        },
+        Err(e) => format!("not stored ({e})"),
+    };
+    format!(
+        "lane consumer: delivered stream seq {last} ({item}), ack floor stream seq {}, \
+         num_pending {}, num_ack_pending {}, num_redelivered {}",
+        info.ack_floor.stream_sequence,
+        info.num_pending,
+        info.num_ack_pending,
+        info.num_redelivered
+    )
 }
 
 /// Each service's resident memory (kB) now.
