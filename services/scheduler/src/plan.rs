@@ -3,7 +3,7 @@
 //! picks which missed slots fire, and the overlap policy decides against a run still going.
 
 use chrono::{DateTime, Utc};
-use turnstile_shared::schedules::{Catchup, Overlap, ScheduleSpec};
+use turnstile_shared::schedules::{Catchup, Overlap, ScheduleRecord, ScheduleSpec};
 use turnstile_shared::RunId;
 
 /// Named reasons on `skipped` and `missed` slot records; documented in docs/runs-and-schedules.md.
@@ -120,6 +120,28 @@ pub fn decide(
         out.push(decision);
     }
     out
+}
+
+/// Applies a pass's result (`before` -> `after`) to the record as it is now, when another
+/// writer (the other scheduler replica's pass, an API call) changed it during the pass. The
+/// cursor only moves forward; a buffered slot is cleared only if it is the one this pass
+/// fired: another replica's pass may have buffered a later slot meanwhile, and that slot has
+/// no record of its own yet, so clearing it would lose it (R11: the campaign found a
+/// `buffer_one` slot with no record, between two that had one).
+pub fn merge_pass(current: &mut ScheduleRecord, before: &ScheduleRecord, after: &ScheduleRecord) {
+    current.cursor = current.cursor.max(after.cursor);
+    if before.buffered.is_some()
+        && after.buffered != before.buffered
+        && current.buffered == before.buffered
+    {
+        current.buffered = after.buffered;
+    }
+    if let (None, Some(b)) = (before.buffered, after.buffered) {
+        current.buffered.get_or_insert(b);
+    }
+    if after.last_run != before.last_run {
+        current.last_run = after.last_run.clone();
+    }
 }
 
 #[cfg(test)]
@@ -282,5 +304,42 @@ mod tests {
                 reason: slot_reason::CATCHUP_NONE
             }
         ));
+    }
+
+    fn record(cursor: i64, buffered: Option<i64>) -> ScheduleRecord {
+        ScheduleRecord {
+            spec: spec(Overlap::BufferOne, Catchup::Latest),
+            created_at: t(0),
+            cursor: t(cursor),
+            paused: None,
+            last_run: None,
+            buffered: buffered.map(t),
+        }
+    }
+
+    #[test]
+    fn a_slot_another_pass_buffered_meanwhile_survives_this_pass_firing_the_earlier_one() {
+        // This pass fired the slot buffered at 60 and moved the cursor to 120; meanwhile the
+        // other replica's pass buffered the slot at 180 (cursor 180).
+        let before = record(60, Some(60));
+        let after = record(120, None);
+        let mut current = record(180, Some(180));
+        merge_pass(&mut current, &before, &after);
+        assert_eq!(
+            current.buffered,
+            Some(t(180)),
+            "the later buffered slot was dropped"
+        );
+        assert_eq!(current.cursor, t(180));
+        // Nobody changed it meanwhile: the fired slot is no longer buffered.
+        let mut current = record(60, Some(60));
+        merge_pass(&mut current, &before, &after);
+        assert_eq!(current.buffered, None);
+        assert_eq!(current.cursor, t(120));
+        // This pass fired the buffered slot and buffered a later one itself.
+        let after = record(180, Some(180));
+        let mut current = record(60, Some(60));
+        merge_pass(&mut current, &before, &after);
+        assert_eq!(current.buffered, Some(t(180)));
     }
 }

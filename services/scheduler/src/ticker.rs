@@ -312,18 +312,7 @@ async fn write_back(
         return Ok(Some((after, rev)));
     }
     let edited = bucket
-        .edit::<ScheduleRecord, _>(name, |r| {
-            r.cursor = r.cursor.max(after.cursor);
-            if before.buffered.is_some() && after.buffered.is_none() {
-                r.buffered = None;
-            }
-            if let (None, Some(b)) = (before.buffered, after.buffered) {
-                r.buffered.get_or_insert(b);
-            }
-            if after.last_run != before.last_run {
-                r.last_run = after.last_run.clone();
-            }
-        })
+        .edit::<ScheduleRecord, _>(name, |r| crate::plan::merge_pass(r, before, &after))
         .await?;
     if edited.is_none() {
         tracing::info!(schedule = %name, "schedule deleted during its pass");
