@@ -142,6 +142,8 @@ pub fn survivor_account(log: &str, killed_at: chrono::DateTime<Utc>) -> serde_js
         "evidence": evidence,
         "lanes_moved": num("lanes="),
         "takeover_ms": num("elapsed_ms="),
+        // Of which reading the dead instance's pin records.
+        "pins_read_ms": num("pinned_ms="),
     })
 }
 
