@@ -102,8 +102,8 @@ pub(crate) struct Ctx {
     pub launch_locks: Mutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
     /// Names this process to the broker when it takes a step (one per process start).
     pub worker: String,
-    /// Steps this process is running: a redelivery of one is a duplicate.
-    pub running_steps: Mutex<HashSet<turnstile_shared::StepId>>,
+    /// Steps this process runs, and the last ones it finished (`steps_held`).
+    pub steps: Mutex<crate::steps_held::StepsHeld>,
 }
 
 impl Ctx {
@@ -121,20 +121,32 @@ impl Ctx {
             c.active.lock().map(|m| m.len()).unwrap_or(0)
         });
         m.probe_of("running_steps", self, |c| {
-            c.running_steps.lock().map(|m| m.len()).unwrap_or(0)
+            c.steps.lock().map(|m| m.running()).unwrap_or(0)
+        });
+        m.probe_of("finished_steps", self, |c| {
+            c.steps.lock().map(|m| m.finished()).unwrap_or(0)
         });
     }
 
-    pub fn running_steps_insert(&self, step: &turnstile_shared::StepId) -> bool {
-        self.running_steps
+    /// Takes a delivery of a step's work (`steps_held::Claim`).
+    pub(crate) fn claim_step(&self, step: &turnstile_shared::StepId) -> crate::steps_held::Claim {
+        self.steps
             .lock()
-            .map(|mut s| s.insert(step.clone()))
-            .unwrap_or(false)
+            .map(|mut s| s.claim(step))
+            .unwrap_or(crate::steps_held::Claim::Running)
     }
 
-    pub fn running_steps_remove(&self, step: &turnstile_shared::StepId) {
-        if let Ok(mut s) = self.running_steps.lock() {
-            s.remove(step);
+    /// The step's end was reported, or its start refused: never run here again.
+    pub(crate) fn finish_step(&self, step: &turnstile_shared::StepId) {
+        if let Ok(mut s) = self.steps.lock() {
+            s.finish(step);
+        }
+    }
+
+    /// The step was let go unreported: another delivery may run it.
+    pub(crate) fn release_step(&self, step: &turnstile_shared::StepId) {
+        if let Ok(mut s) = self.steps.lock() {
+            s.release(step);
         }
     }
 }

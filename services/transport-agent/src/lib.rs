@@ -23,6 +23,7 @@ mod commands;
 mod ctx;
 mod heartbeat;
 mod steps;
+mod steps_held;
 mod tail;
 mod tmux;
 mod watch;
@@ -112,7 +113,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         stops: Default::default(),
         launch_locks: Mutex::default(),
         worker,
-        running_steps: Mutex::default(),
+        steps: Mutex::default(),
     });
     ctx.probe_session_state();
     tracing::info!(host = %ctx.config.host, "transport agent running");

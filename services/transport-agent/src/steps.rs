@@ -20,6 +20,7 @@ use turnstile_shared::{consume, subjects, topology};
 
 use crate::commands::refuse;
 use crate::ctx::{Ctx, Error};
+use crate::steps_held::Claim;
 use crate::tail::Tail;
 
 /// Lines of output kept for the result.
@@ -57,26 +58,32 @@ async fn handle(ctx: Arc<Ctx>, msg: jetstream::Message, shutdown: CancellationTo
     let StepWork::Command { argv, cwd, .. } = &item.work else {
         return refuse(&ctx, &msg, "not a command step").await;
     };
-    // A redelivery while this process still runs the step (a slow heartbeat) is a duplicate.
-    if !ctx.running_steps_insert(&item.step) {
-        return;
+    match ctx.claim_step(&item.step) {
+        Claim::Fresh => {}
+        // A redelivery while this process still runs the step (a slow heartbeat).
+        Claim::Running => return,
+        // It ran here and its end was reported; this copy came back (its work's ack lost):
+        // the broker may not have recorded the end yet and would take a start from this
+        // worker as a retry (`steps_held`).
+        Claim::Finished => {
+            tracing::info!(step = %item.step, "a step that ran here came back; not run again");
+            let _ = msg.double_ack().await;
+            return;
+        }
     }
     let outcome = run_step(&ctx, &msg, &item, argv, cwd.as_deref(), &shutdown).await;
-    match outcome {
-        Some(report) => {
-            if deliver_report(&ctx, &msg, &item, report, &shutdown).await {
-                let _ = msg.double_ack().await;
-            }
-        }
+    let reported = match outcome {
+        Some(report) => deliver_report(&ctx, &msg, &item, report, &shutdown).await,
         // The broker refused the start (another attempt, or it ended): nothing to run.
-        None => {
-            let _ = msg.double_ack().await;
-        }
+        None => true,
+    };
+    // Only now: until its report is taken, a redelivery of the step is this process's own.
+    if reported {
+        ctx.finish_step(&item.step);
+        let _ = msg.double_ack().await;
+    } else {
+        ctx.release_step(&item.step);
     }
-    // Only now: until its report is taken and its work acked, a redelivery of the step is
-    // this process's own, and must not run it again (the broker takes a start from the
-    // worker that holds the step as a retry of that start).
-    ctx.running_steps_remove(&item.step);
 }
 
 /// Runs the step; `None` when it must not run here.

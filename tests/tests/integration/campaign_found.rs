@@ -909,3 +909,105 @@ async fn item_lost(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// R14: a step that ran on a transport and reported its end is not run again when its work
+/// message comes back to the same process before the broker has recorded that end. The
+/// campaign (15 min, three nodes) saw two steps started twice across a NATS quorum loss: the
+/// broker takes a report by storing the end and records it in the registry a moment later,
+/// and until then takes a start from the worker holding the step as a retry of that start.
+/// Here the copy comes back by hand: the step's registry record is set back to `running` by
+/// its worker (as it reads before the end is recorded), and its work is published again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steps_work_that_comes_back_after_its_report_is_not_run_again() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = work_comes_back(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn work_comes_back(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::execution::StepWork;
+    use turnstile_shared::step_api::StepWorkItem;
+    use turnstile_shared::subjects;
+    let trace = stack.dir.path().join("step-starts.log");
+    let s = stack.create_session("work-comes-back", None).await?;
+    let t = stack
+        .send(&s, &format!("!step once 1s --trace {}", trace.display()))
+        .await?;
+    let starts = || {
+        std::fs::read_to_string(&trace)
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    let tree = crate::stack::wait_until_tree(
+        stack,
+        &ExecutionId::from(&t),
+        Duration::from_secs(30),
+        |t| t.nodes.len() == 1,
+    )
+    .await?;
+    let step = tree.nodes[0].record.id.clone();
+    // Its record while it runs, by this transport's worker.
+    let running = stack
+        .wait_exec(&step, Duration::from_secs(20), |r| {
+            matches!(r.status, ExecStatus::Running { .. })
+        })
+        .await?;
+    let ended = stack
+        .wait_exec(&step, Duration::from_secs(20), |r| r.status.is_terminal())
+        .await?;
+    ensure!(
+        matches!(ended.status, ExecStatus::Completed { .. }),
+        "the step ended {:?}",
+        ended.status
+    );
+    ensure!(
+        starts() == 1,
+        "the step started {} times before the copy",
+        starts()
+    );
+    // As the registry reads before the broker has recorded the end; then the copy.
+    let kv = stack.js.get_key_value(subjects::EXECUTIONS_BUCKET).await?;
+    kv.put(step.as_str(), serde_json::to_vec(&running)?.into())
+        .await?;
+    let StepWork::Command { .. } = running.work.clone().context("the step's work")? else {
+        anyhow::bail!("not a command step");
+    };
+    let item = StepWorkItem {
+        step: step.as_step().context("a step")?.clone(),
+        token: running.token.clone().unwrap_or_default(),
+        session: s.clone(),
+        name: running.name.clone(),
+        work: running.work.clone().context("the step's work")?,
+    };
+    let env = item.envelope()?.with_id(format!("{step}:work:again"));
+    // Published as the broker publishes work.
+    stack
+        .js_as("notification-broker")
+        .await?
+        .publish(subjects::step_command(&"h1".parse()?), env.encode()?)
+        .await?
+        .await?;
+    let log = stack
+        .transports
+        .get("h1")
+        .context("transport h1")?
+        .log_path()
+        .to_path_buf();
+    let verdict = wait_until("the copy to be taken", Duration::from_secs(20), || async {
+        let said = std::fs::read_to_string(&log).unwrap_or_default();
+        Ok(if starts() > 1 {
+            Some("run again")
+        } else if said.contains("came back; not run again") {
+            Some("not run again")
+        } else {
+            None
+        })
+    })
+    .await?;
+    ensure!(
+        verdict == "not run again" && starts() == 1,
+        "the step's command started {} times: its work's copy was {verdict}",
+        starts()
+    );
+    Ok(())
+}
