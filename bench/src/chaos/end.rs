@@ -49,10 +49,12 @@ async fn still_busy(
 ) -> Result<Option<String>> {
     let h = History::load(js, mock_dir, trace, crons.to_vec()).await?;
     if let Some(t) = h.turns.values().find(|t| !t.state.is_terminal()) {
-        return Ok(Some(format!("turn {} not ended", t.id)));
+        let lane = lane_state(js, &t.session).await;
+        return Ok(Some(format!("turn {} not ended ({lane})", t.id)));
     }
     if let Some(r) = h.runs.values().find(|r| !r.state.is_terminal()) {
-        return Ok(Some(format!("run {} not ended", r.id)));
+        let lane = lane_state(js, &r.session).await;
+        return Ok(Some(format!("run {} not ended ({lane})", r.id)));
     }
     if let Some(e) = h.executions.values().find(|e| !e.status.is_terminal()) {
         return Ok(Some(format!("execution {} not ended", e.id)));
