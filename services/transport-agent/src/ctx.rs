@@ -123,9 +123,6 @@ impl Ctx {
         m.probe_of("running_steps", self, |c| {
             c.steps.lock().map(|m| m.running()).unwrap_or(0)
         });
-        m.probe_of("finished_steps", self, |c| {
-            c.steps.lock().map(|m| m.finished()).unwrap_or(0)
-        });
     }
 
     /// Takes a delivery of a step's work (`steps_held::Claim`).
