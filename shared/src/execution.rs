@@ -88,6 +88,26 @@ impl StepWork {
             Self::Agent { .. } => "agent",
         }
     }
+
+    /// Where the work is queued: its subject on the step stream, and the durable consumer
+    /// its workers take it from.
+    pub fn queue(&self) -> (String, String) {
+        use crate::subjects;
+        match self {
+            Self::Command { host, .. } => (
+                subjects::step_command(host),
+                subjects::step_command_consumer(host),
+            ),
+            Self::External { queue, .. } => (
+                subjects::step_external(queue),
+                subjects::step_external_consumer(queue),
+            ),
+            Self::Agent { .. } => (
+                subjects::STEP_AGENT.to_string(),
+                subjects::BROKER_AGENTS_CONSUMER.to_string(),
+            ),
+        }
+    }
 }
 
 /// What a finished step produced: exit status (commands) and the tail of its output.

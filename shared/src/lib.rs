@@ -26,6 +26,7 @@
 
 pub mod api;
 pub mod arming;
+pub mod bucket_watch;
 pub mod config;
 pub mod consume;
 pub mod deadletter;

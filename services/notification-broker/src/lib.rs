@@ -4,7 +4,7 @@
 //!
 //! # Layout
 //!
-//! [`run`] starts five tasks on one shared `Ctx`. Calls go down this list, never up, file by
+//! [`run`] starts its tasks on one shared `Ctx`. Calls go down this list, never up, file by
 //! file (`house.rs::no_import_cycles_between_files` checks that no two files import each
 //! other, even through others):
 //!
@@ -14,6 +14,8 @@
 //! * `agents`: agent steps, each a run on a session of its own. Calls `step_events`, `registry`.
 //! * `turns`: running turns become tree nodes; an ended one cancels its work. Calls `registry`.
 //! * `runs_mirror`: runs and their messages become tree nodes. Calls nothing here but `ctx`.
+//! * `orphan_steps`: the backstop that publishes again the work item of a step queued with
+//!   none stored. Calls nothing here but `ctx`.
 //! * `callout`: agents' NATS identities (the server's auth callout), and ending a stopped
 //!   session's connections. Calls `auth`.
 //! * `auth`: who a step API call acts for (session or step token). Calls `ctx` only.
@@ -32,6 +34,7 @@ mod auth;
 mod callout;
 mod ctx;
 mod ended;
+mod orphan_steps;
 mod owned;
 mod registry;
 mod running;
@@ -58,6 +61,9 @@ pub struct Config {
     pub callout: Option<CalloutConfig>,
     /// What `/healthz` and `/readyz` report (served by the binary with `--http`).
     pub health: std::sync::Arc<turnstile_shared::health::Health>,
+    /// How long a step may stay queued before its work item is looked for, and published
+    /// again if it is not stored (`orphan_steps`).
+    pub orphan_step_after: std::time::Duration,
 }
 
 impl Config {
@@ -68,6 +74,7 @@ impl Config {
             topology: TopologyConfig::default(),
             replica: format!("broker-{}", std::process::id()),
             callout: None,
+            orphan_step_after: std::time::Duration::from_secs(60),
         }
     }
 }
@@ -103,7 +110,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
             tracing::warn!(error = %e, "follow delivery and run events; no lane item is sent ahead of its marker's create");
         }
     };
-    let (api, callout, (), (), (), (), ()) = tokio::join!(
+    let (api, callout, (), (), (), (), (), ()) = tokio::join!(
         api::serve(ctx.clone(), shutdown.clone()),
         callout,
         armed,
@@ -111,6 +118,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         turns::run(ctx.clone(), shutdown.clone()),
         agents::run(ctx.clone(), shutdown.clone()),
         runs_mirror::run(ctx.clone(), shutdown.clone()),
+        orphan_steps::run(ctx.clone(), config.orphan_step_after, shutdown.clone()),
     );
     let _ = ctx.client.drain().await;
     api?;

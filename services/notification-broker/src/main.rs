@@ -32,6 +32,10 @@ struct Args {
     /// connections: a stopped session's open connections then end at once.
     #[arg(long, env = "TURNSTILE_SYSTEM_NATS_URL")]
     system_nats: Option<String>,
+    /// How long a step may stay queued before the broker looks for its work item, and
+    /// publishes it again if it is not stored (lost to a server crash or a full disk).
+    #[arg(long, env = "TURNSTILE_ORPHAN_STEP_AFTER", default_value = "60s", value_parser = turnstile_shared::duration::parse_flag)]
+    orphan_step_after: std::time::Duration,
 }
 
 #[tokio::main]
@@ -40,6 +44,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut config = turnstile_notification_broker::Config::new(args.nats.url);
     config.topology = args.topology.to_config();
+    config.orphan_step_after = args.orphan_step_after;
     if let Some(r) = args.replica {
         config.replica = r;
     }

@@ -26,7 +26,7 @@ use turnstile_shared::execution::{ExecStatus, ExecutionRecord};
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::{ExecutionId, SessionId};
 
-use crate::bucket_watch::Watched;
+use turnstile_shared::bucket_watch::Watched;
 
 /// How many ended records are kept, the oldest forgotten first. An end is looked up within
 /// milliseconds of its write; at 1,000 ends a second this is four seconds of them.
@@ -204,7 +204,7 @@ impl EndedView {
 }
 
 async fn follow(bucket: Bucket, view: EndedView, cancel: CancellationToken) {
-    crate::bucket_watch::follow_new(bucket, "executions", cancel, |w| match w {
+    turnstile_shared::bucket_watch::follow_new(bucket, "executions", cancel, |w| match w {
         Watched::Up => view.set_following(true),
         Watched::Down => view.set_following(false),
         Watched::Entry(entry) => match entry.operation {

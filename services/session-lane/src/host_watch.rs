@@ -11,8 +11,8 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::records::HostRecord;
 
-use crate::bucket_watch::sleep_or_cancel;
 use crate::ctx::Ctx;
+use turnstile_shared::bucket_watch::sleep_or_cancel;
 
 /// How often `turnstile_hosts_alive` is brought up to date (a host lapses without an entry).
 const HOSTS_GAUGE_PERIOD: Duration = Duration::from_secs(1);

@@ -31,10 +31,10 @@
 //!   Calls `bucket_watch`.
 //! - `turn_watch`: the replica's one KV watch of turn records, with per-turn waiters. Calls
 //!   `bucket_watch`.
-//! - `bucket_watch`: the one loop behind the watches of a bucket's new writes. Leaf.
+//!
+//! `bucket_watch` (the one loop behind a watch of a bucket's new writes) is shared's.
 
 mod api;
-mod bucket_watch;
 mod ctx;
 mod ended_view;
 mod handoff;

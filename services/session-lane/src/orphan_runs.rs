@@ -31,8 +31,8 @@ use turnstile_shared::records::SessionRecord;
 use turnstile_shared::runs::{run_reason, RunItem, RunRecord, RunState};
 use turnstile_shared::{subjects, RunId, SessionId};
 
-use crate::bucket_watch::{self, Watched};
 use crate::ctx::Ctx;
+use turnstile_shared::bucket_watch::{self, Watched};
 
 /// How far back the runs bucket is read when the watch is (re)made: a run queued before
 /// that and stranded since was found by a sweep then (unless no replica ran for an hour).

@@ -12,9 +12,9 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::records::SessionRecord;
 use turnstile_shared::SessionId;
 
-use crate::bucket_watch::sleep_or_cancel;
 use crate::ctx::{Ctx, Error};
 use crate::lane;
+use turnstile_shared::bucket_watch::sleep_or_cancel;
 
 struct Worker {
     cancel: CancellationToken,

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::bucket_watch::Watched;
+use turnstile_shared::bucket_watch::Watched;
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::records::TurnRecord;
 use turnstile_shared::TurnId;
@@ -56,7 +56,7 @@ impl TurnWatch {
 }
 
 async fn watch_loop(bucket: Bucket, waiters: Waiters, cancel: CancellationToken) {
-    crate::bucket_watch::follow_new(bucket, "turns", cancel, |w| {
+    turnstile_shared::bucket_watch::follow_new(bucket, "turns", cancel, |w| {
         if let Watched::Entry(entry) = w {
             route(&waiters, &entry.key, &entry.value);
         }

@@ -1011,3 +1011,148 @@ async fn work_comes_back(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// R2, R14: a step whose record says `queued` but whose work item is not stored still runs,
+/// once. The 10-min campaign once left a detached command step queued for ever: its command
+/// never started and no service logged it (the item lost after its publish was acknowledged,
+/// or never stored by a start whose caller gave up). A step record written with no item (as a
+/// lost item leaves it) is found by the broker's backstop and its item published again; a
+/// step whose item waits stored for a worker that never comes is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_queued_whose_work_item_was_lost_still_runs_once() -> Result<()> {
+    let mut stack =
+        Stack::start_with(&["a"], &["h1"], &[("TURNSTILE_ORPHAN_STEP_AFTER", "1s")]).await?;
+    let r = step_item_lost(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn step_item_lost(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::execution::{ExecKind, ExecutionRecord, Scope, StepWork};
+    use turnstile_shared::step_api::StepWorkItem;
+    use turnstile_shared::{subjects, StepId};
+    let trace = stack.dir.path().join("lost-step.log");
+    let s = stack.create_session("step-item-lost", None).await?;
+    let t = stack.send(&s, "the turn the steps hang under").await?;
+    stack.wait_turn(&t, Duration::from_secs(30)).await?;
+    // Two steps as `steps.start` registers them: one whose item was lost (nothing published),
+    // one whose item is stored for a queue nobody serves.
+    let step = |name: &str, work: StepWork| ExecutionRecord {
+        id: ExecutionId::from(&StepId::default()),
+        kind: ExecKind::Step,
+        name: name.to_string(),
+        parent: Some(ExecutionId::from(&t)),
+        scope: Scope::Detached,
+        session: s.clone(),
+        owner: None,
+        watchers: vec![s.clone()],
+        created_at: chrono::Utc::now(),
+        work: Some(work),
+        token: Some(turnstile_shared::ids::new_secret()),
+        children: Vec::new(),
+        handed_over: Vec::new(),
+        status: ExecStatus::Queued,
+    };
+    let lost = step(
+        "lost",
+        StepWork::Command {
+            argv: vec![
+                "sh".into(),
+                "-c".into(),
+                format!("echo ran >> {}", trace.display()),
+            ],
+            host: "h1".parse()?,
+            cwd: None,
+        },
+    );
+    let unserved = step(
+        "unserved",
+        StepWork::External {
+            queue: "nobody-serves".into(),
+            input: serde_json::Value::Null,
+        },
+    );
+    let kv = stack.js.get_key_value(subjects::EXECUTIONS_BUCKET).await?;
+    for r in [&lost, &unserved] {
+        kv.create(r.id.as_str(), serde_json::to_vec(r)?.into())
+            .await?;
+    }
+    let item = StepWorkItem {
+        step: unserved.id.as_step().context("a step")?.clone(),
+        token: unserved.token.clone().unwrap_or_default(),
+        session: s.clone(),
+        name: unserved.name.clone(),
+        work: unserved.work.clone().context("its work")?,
+    };
+    let (subject, _) = item.work.queue();
+    stack
+        .js_as("notification-broker")
+        .await?
+        .publish(subject.clone(), item.envelope()?.encode()?)
+        .await?
+        .await?;
+    let ended = stack
+        .wait_exec(&lost.id, Duration::from_secs(60), |r| {
+            r.status.is_terminal()
+        })
+        .await?;
+    ensure!(
+        matches!(ended.status, ExecStatus::Completed { .. }),
+        "the lost step ended {:?}",
+        ended.status
+    );
+    let ran = std::fs::read_to_string(&trace).unwrap_or_default();
+    ensure!(
+        ran.lines().count() == 1,
+        "the lost step's command ran {} times",
+        ran.lines().count()
+    );
+    // The backstop looked at the unserved step too, and found its item stored.
+    let log = stack
+        .brokers
+        .get("b1")
+        .context("broker b1")?
+        .log_path()
+        .to_path_buf();
+    wait_until(
+        "the unserved step's check",
+        Duration::from_secs(20),
+        || async {
+            let said = std::fs::read_to_string(&log).unwrap_or_default();
+            Ok(said
+                .lines()
+                .any(|l| l.contains(unserved.id.as_str()) && l.contains("item is stored"))
+                .then_some(()))
+        },
+    )
+    .await?;
+    let said = std::fs::read_to_string(&log)?;
+    let again: Vec<&str> = said
+        .lines()
+        .filter(|l| l.contains("published again"))
+        .collect();
+    ensure!(
+        again.iter().any(|l| l.contains(lost.id.as_str())),
+        "the backstop did not say it published the lost step's item again"
+    );
+    ensure!(
+        !again.iter().any(|l| l.contains(unserved.id.as_str())),
+        "the backstop published again the item of a step stored for its queue: {again:?}"
+    );
+    let record = stack
+        .wait_exec(&unserved.id, Duration::from_secs(5), |_| true)
+        .await?;
+    ensure!(
+        record.status == ExecStatus::Queued,
+        "the unserved step is {:?}",
+        record.status
+    );
+    let stream = stack.js.get_stream(subjects::STEP_STREAM).await?;
+    let mut counts = stream.info_with_subjects(subject.as_str()).await?;
+    let stored = futures::StreamExt::next(&mut counts)
+        .await
+        .transpose()?
+        .map(|(_, n)| n)
+        .unwrap_or(0);
+    ensure!(stored == 1, "{stored} items stored for the unserved step");
+    Ok(())
+}

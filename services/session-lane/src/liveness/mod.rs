@@ -103,7 +103,7 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
     // Answer pings before announcing: a peer never finds an announced instance unreachable.
     while let Err(e) = probe::answer(&ctx.client, &ctx.instance, answering.clone()).await {
         tracing::warn!(error = %e, "answer liveness pings; retrying");
-        crate::bucket_watch::sleep_or_cancel(stop, timing.interval).await;
+        turnstile_shared::bucket_watch::sleep_or_cancel(stop, timing.interval).await;
         if stop.is_cancelled() {
             return Ok(());
         }
@@ -117,7 +117,7 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "announce replica liveness; retrying");
-                crate::bucket_watch::sleep_or_cancel(stop, timing.interval).await;
+                turnstile_shared::bucket_watch::sleep_or_cancel(stop, timing.interval).await;
                 if stop.is_cancelled() {
                     return Ok(());
                 }

@@ -14,7 +14,7 @@ use turnstile_shared::ids::{is_token, new_secret};
 use turnstile_shared::principal::Principal;
 use turnstile_shared::records::{SessionRecord, TurnRecord, TurnState};
 use turnstile_shared::step_api::{ListSteps, StartStep, StepKind, StepStatus, StepWorkItem};
-use turnstile_shared::{subjects, ExecutionId, StepId};
+use turnstile_shared::{ExecutionId, StepId};
 
 use crate::auth::{authenticate, Identity};
 use crate::ctx::Ctx;
@@ -276,11 +276,7 @@ async fn dispatch(
         name: record.name.clone(),
         work: work.clone(),
     };
-    let subject = match &work {
-        StepWork::Command { host, .. } => subjects::step_command(host),
-        StepWork::External { queue, .. } => subjects::step_external(queue),
-        StepWork::Agent { .. } => subjects::STEP_AGENT.to_string(),
-    };
+    let (subject, _) = work.queue();
     let env = item.envelope().map_err(ApiError::internal)?;
     // Unavailable, not internal: the caller retries with the same step id, and the retry
     // hands the work out again (see `start`).

@@ -1,18 +1,18 @@
-//! The one loop behind this replica's watches of a bucket's new writes (`turn_watch`,
-//! `ended_view`): watch until cancelled, re-watch after an interruption (500 ms apart while
+//! The one loop behind a service's watches of a bucket's new writes (the session-lane's
+//! `turn_watch`, `ended_view`, `orphan_runs`; the broker's `orphan_steps`): watch until cancelled, re-watch after an interruption (500 ms apart while
 //! the watch cannot be made), and tell the follower each entry and when the watch goes up or
 //! down. Writes made while it is down are missed: each follower has a fallback (a turn's
 //! outcome is also read on the progress tick; an end not seen is read from the registry).
 
 use std::time::Duration;
 
+use crate::kv::Bucket;
 use async_nats::jetstream::kv::Entry;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::kv::Bucket;
 
 /// What a follower is told.
-pub(crate) enum Watched<'a> {
+pub enum Watched<'a> {
     /// The watch is made: writes from now on are seen.
     Up,
     Entry(&'a Entry),
@@ -21,7 +21,7 @@ pub(crate) enum Watched<'a> {
 }
 
 /// Follows `bucket`'s new writes until `cancel`; `name` is the bucket as logs name it.
-pub(crate) async fn follow_new(
+pub async fn follow_new(
     bucket: Bucket,
     name: &'static str,
     cancel: CancellationToken,
@@ -64,7 +64,7 @@ pub(crate) async fn follow_new(
 }
 
 /// Sleeps for `d`, or until `cancel`.
-pub(crate) async fn sleep_or_cancel(cancel: &CancellationToken, d: Duration) {
+pub async fn sleep_or_cancel(cancel: &CancellationToken, d: Duration) {
     tokio::select! {
         _ = cancel.cancelled() => {}
         _ = tokio::time::sleep(d) => {}
