@@ -16,7 +16,9 @@
 //! - `kv`: typed compare-and-set over KV buckets; `topology`: provisioning (`lane_migration`: moving the
 //!   lanes off the work-queue stream of older builds); `config`: flags
 //!   and connect; `consume`: the durable-consumer loops; `deadletter`: refusals; `telemetry`;
-//!   `health`: the `/healthz` and `/readyz` endpoints.
+//!   `health`: the `/healthz` and `/readyz` endpoints; `bucket_watch`: the loop behind a
+//!   watch of a bucket's new writes; `backstop`: the loop behind the backstops for records
+//!   left waiting on a lost message.
 //! - Records: `records` (sessions, turns, hosts, transport commands), `execution` (the tree),
 //!   `delivery` (completions and the delivery item), `runs`, `schedules`, `step_api`.
 //! - `lane`: the lane item, above the records it carries, and its removal once done;
@@ -26,6 +28,7 @@
 
 pub mod api;
 pub mod arming;
+pub mod backstop;
 pub mod bucket_watch;
 pub mod config;
 pub mod consume;

@@ -8,182 +8,71 @@
 //! `queued` for ever: its parent's run never ends, its completion never comes. Seen once in
 //! the fault campaign (a detached command step, queued, never started, nothing logged).
 //!
-//! So each replica follows the executions bucket's writes (one watch, new writes only, plus a
-//! read of the last hour's writes whenever the watch is made) and keeps the steps last
-//! written `queued`. A step still so after [`Config::orphan_step_after`](crate::Config) is
-//! looked for on its work subject: the step stream is a work queue, so what is stored there
+//! So each replica keeps the steps last written `queued` (the loop is shared's `backstop`); a
+//! step still so after [`Config::orphan_step_after`](crate::Config) is looked for on its work
+//! subject: the step stream is a work queue, so what is stored there
 //! past its consumer's ack floor is exactly the work not yet done. If its item is not among
 //! it, the item is published again. Publishing one too many is harmless: a worker starts a
 //! step only by moving its record from `queued` to `running` (compare-and-set), so a second
 //! copy finds it taken (R2); replicas racing publish the same message id.
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use async_nats::jetstream::kv::Operation;
 use async_nats::jetstream::stream::DirectGetErrorKind;
 use async_nats::jetstream::{self, context::ConsumerInfoErrorKind};
-use chrono::Utc;
 use serde::Deserialize;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::bucket_watch::{self, Watched};
+use turnstile_shared::backstop::{self, Backstop, Verdict};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::{ExecStatus, ExecutionRecord, StepWork};
+use turnstile_shared::kv::Bucket;
 use turnstile_shared::step_api::StepWorkItem;
 use turnstile_shared::{events, subjects, ExecutionId, StepId};
 
 use crate::ctx::Ctx;
 
-/// How far back the executions bucket is read when the watch is (re)made.
-const LOOKBACK: chrono::TimeDelta = chrono::TimeDelta::hours(1);
-
 /// Stored items read at most when looking for one step's item; past that it is taken as
 /// there (a queue that long is being served, or is waiting for its workers).
 const SCAN: usize = 10_000;
 
-/// A step last written `queued`: since when this replica knows it so, and when it last found
-/// the step's item stored.
-struct Queued {
-    since: Instant,
-    checked: Option<Instant>,
-}
-
-/// What the watch tells the sweep loop.
-enum Seen {
-    Up,
-    /// A step's latest write: whether it says `queued`.
-    Step(StepId, bool),
-}
-
 /// Just what a write must say to be followed here (the rest of the record is not decoded).
 #[derive(Deserialize)]
-struct Glance {
+pub(crate) struct Glance {
     #[serde(flatten)]
     status: ExecStatus,
 }
 
-fn queued(value: &[u8]) -> bool {
-    serde_json::from_slice::<Glance>(value).is_ok_and(|g| g.status == ExecStatus::Queued)
+struct QueuedSteps(Arc<Ctx>);
+
+impl Backstop for QueuedSteps {
+    type Id = StepId;
+    type Glance = Glance;
+    type Note = ();
+    type Error = CheckError;
+    const KIND: &'static str = "step";
+    const BUCKET: &'static str = "executions";
+
+    fn bucket(&self) -> Bucket {
+        self.0.buckets.executions.clone()
+    }
+
+    fn waiting(glance: &Glance) -> Option<()> {
+        (glance.status == ExecStatus::Queued).then_some(())
+    }
+
+    async fn check(&self, id: &StepId, (): &()) -> Result<Verdict, CheckError> {
+        check(&self.0, id).await
+    }
 }
 
 /// Follows the executions bucket and sweeps every `after / 2` until `cancel`.
 pub(crate) async fn run(ctx: Arc<Ctx>, after: Duration, cancel: CancellationToken) {
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    tokio::spawn(bucket_watch::follow_new(
-        ctx.buckets.executions.clone(),
-        "executions",
-        cancel.child_token(),
-        move |w| {
-            let seen = match w {
-                Watched::Up => Seen::Up,
-                Watched::Down => return,
-                Watched::Entry(e) => {
-                    // Turns, runs and messages are mirrored here too: only steps are followed.
-                    let Ok(id) = e.key.parse::<StepId>() else {
-                        return;
-                    };
-                    Seen::Step(id, e.operation == Operation::Put && queued(&e.value))
-                }
-            };
-            let _ = tx.send(seen);
-        },
-    ));
-    let mut waiting: HashMap<StepId, Queued> = HashMap::new();
-    let mut tick = tokio::time::interval((after / 2).max(Duration::from_millis(100)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return,
-            seen = rx.recv() => match seen {
-                None => return,
-                Some(Seen::Up) => read_recent(&ctx, &mut waiting).await,
-                Some(Seen::Step(id, queued)) => note(&mut waiting, id, queued),
-            },
-            _ = tick.tick() => sweep(&ctx, &mut waiting, after).await,
-        }
-    }
-}
-
-/// Keeps or forgets a step by its latest write.
-fn note(waiting: &mut HashMap<StepId, Queued>, id: StepId, queued: bool) {
-    if queued {
-        waiting.entry(id).or_insert_with(|| Queued {
-            since: Instant::now(),
-            checked: None,
-        });
-    } else {
-        waiting.remove(&id);
-    }
-}
-
-/// The last hour's writes, read when the watch is made: what was queued before this replica
-/// started, or while its watch was down.
-async fn read_recent(ctx: &Ctx, waiting: &mut HashMap<StepId, Queued>) {
-    let since = Utc::now() - LOOKBACK;
-    match ctx
-        .buckets
-        .executions
-        .entries_written_since::<Glance>(">", Some(since))
-        .await
-    {
-        // Oldest first: each key's latest write is noted last.
-        Ok(entries) => {
-            for (key, glance) in entries {
-                if let Ok(id) = key.parse::<StepId>() {
-                    note(waiting, id, glance.status == ExecStatus::Queued);
-                }
-            }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "read the executions written lately; the next watch reads them")
-        }
-    }
-}
-
-/// Checks every step queued for at least `after` and not found stored within `after`.
-async fn sweep(ctx: &Ctx, waiting: &mut HashMap<StepId, Queued>, after: Duration) {
-    let due: Vec<StepId> = waiting
-        .iter()
-        .filter(|(_, q)| {
-            q.since.elapsed() >= after && q.checked.is_none_or(|at| at.elapsed() >= after)
-        })
-        .map(|(id, _)| id.clone())
-        .collect();
-    for id in due {
-        match check(ctx, &id).await {
-            Ok(verdict @ (Verdict::Waiting | Verdict::Republished)) => {
-                if let Some(q) = waiting.get_mut(&id) {
-                    if q.checked.is_none() && matches!(verdict, Verdict::Waiting) {
-                        tracing::info!(step = %id, queued_s = q.since.elapsed().as_secs(),
-                            "a step queued this long: its work item is stored, waiting for a worker");
-                    }
-                    q.checked = Some(Instant::now());
-                }
-            }
-            Ok(Verdict::Settled) => {
-                waiting.remove(&id);
-            }
-            Err(e) => {
-                tracing::warn!(step = %id, error = %e, "check a queued step; trying again at the next sweep");
-            }
-        }
-    }
-}
-
-enum Verdict {
-    /// Still queued, its item stored: checked again later.
-    Waiting,
-    /// Still queued, its item just published again: checked again later.
-    Republished,
-    /// Not queued any more (or gone).
-    Settled,
+    backstop::run(Arc::new(QueuedSteps(ctx)), after, cancel).await;
 }
 
 #[derive(Debug, thiserror::Error)]
-enum CheckError {
+pub(crate) enum CheckError {
     #[error("read {what}: {source}")]
     Read {
         what: &'static str,

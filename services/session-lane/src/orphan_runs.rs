@@ -7,174 +7,76 @@
 //! did not retry), the run stays `queued` for ever and its schedule's overlap policy may skip
 //! every later slot because of it. Nothing else would ever notice.
 //!
-//! So each replica follows the runs bucket's writes (one watch, new writes only, plus a read of
-//! the last hour's writes whenever the watch is made) and keeps the runs last written `queued`
-//! with no driver. A run still so after [`Config::orphan_run_after`](crate::Config) is checked
+//! So each replica keeps the runs last written `queued` with no driver (the loop is shared's
+//! `backstop`). A run still so after [`Config::orphan_run_after`](crate::Config) is checked
 //! against its lane: if no item not yet done there names it, its item is published again (the
 //! lane serves a repeat of a run item from the record, so publishing one too many is harmless,
 //! and replicas racing to do so publish the same message id). A run queued on a session that
 //! is stopped or gone can never start: it ends `failed: session_stopped` (R12).
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use async_nats::jetstream::kv::Operation;
 use async_nats::jetstream::stream::DirectGetErrorKind;
 use chrono::Utc;
-use tokio::sync::mpsc;
+use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
+use turnstile_shared::backstop::{self, Backstop, Verdict};
 use turnstile_shared::events::{self, EventKind};
-use turnstile_shared::kv::Change;
+use turnstile_shared::kv::{Bucket, Change};
 use turnstile_shared::lane::LaneItem;
 use turnstile_shared::records::SessionRecord;
-use turnstile_shared::runs::{run_reason, RunItem, RunRecord, RunState};
+use turnstile_shared::runs::{run_reason, DriverClaim, RunItem, RunRecord, RunState};
 use turnstile_shared::{subjects, RunId, SessionId};
 
 use crate::ctx::Ctx;
-use turnstile_shared::bucket_watch::{self, Watched};
 
-/// How far back the runs bucket is read when the watch is (re)made: a run queued before
-/// that and stranded since was found by a sweep then (unless no replica ran for an hour).
-const LOOKBACK: chrono::TimeDelta = chrono::TimeDelta::hours(1);
-
-/// A run last written `queued` with no driver: since when this replica knows it so, and
-/// when it last found the run's item on its lane.
-struct Queued {
+/// Just what a write must say to be followed here (the rest of the record is not decoded).
+#[derive(Deserialize)]
+pub(crate) struct Glance {
     session: SessionId,
-    since: Instant,
-    checked: Option<Instant>,
+    #[serde(default)]
+    driver: Option<DriverClaim>,
+    #[serde(flatten)]
+    state: RunState,
 }
 
-/// What the watch tells the sweep loop.
-enum Seen {
-    Up,
-    /// A run's latest write, with its session if it says `queued` with no driver.
-    Run(RunId, Option<SessionId>),
+struct QueuedRuns(Arc<Ctx>);
+
+impl Backstop for QueuedRuns {
+    type Id = RunId;
+    type Glance = Glance;
+    /// The run's session (logs name it).
+    type Note = SessionId;
+    type Error = CheckError;
+    const KIND: &'static str = "run";
+    const BUCKET: &'static str = "runs";
+
+    fn bucket(&self) -> Bucket {
+        self.0.buckets.runs.clone()
+    }
+
+    fn waiting(g: &Glance) -> Option<SessionId> {
+        waits(&g.state, g.driver.as_ref()).then(|| g.session.clone())
+    }
+
+    async fn check(&self, id: &RunId, _: &SessionId) -> Result<Verdict, CheckError> {
+        check(&self.0, id).await
+    }
 }
 
 /// Follows the runs bucket and sweeps every `after / 2` until `cancel`.
 pub(crate) async fn run(ctx: Arc<Ctx>, after: Duration, cancel: CancellationToken) {
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    tokio::spawn(bucket_watch::follow_new(
-        ctx.buckets.runs.clone(),
-        "runs",
-        cancel.child_token(),
-        move |w| {
-            let seen = match w {
-                Watched::Up => Seen::Up,
-                Watched::Down => return,
-                Watched::Entry(e) => {
-                    let Ok(id) = e.key.parse::<RunId>() else {
-                        return;
-                    };
-                    let record = (e.operation == Operation::Put)
-                        .then(|| serde_json::from_slice::<RunRecord>(&e.value).ok())
-                        .flatten();
-                    Seen::Run(id, record.as_ref().and_then(waiting))
-                }
-            };
-            let _ = tx.send(seen);
-        },
-    ));
-    let mut queued: HashMap<RunId, Queued> = HashMap::new();
-    let mut tick = tokio::time::interval((after / 2).max(Duration::from_millis(100)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return,
-            seen = rx.recv() => match seen {
-                None => return,
-                Some(Seen::Up) => read_recent(&ctx, &mut queued).await,
-                Some(Seen::Run(id, session)) => note(&mut queued, id, session),
-            },
-            _ = tick.tick() => sweep(&ctx, &mut queued, after).await,
-        }
-    }
+    backstop::run(Arc::new(QueuedRuns(ctx)), after, cancel).await;
 }
 
-/// The run's session, if the record says it waits for its item: `queued`, no driver.
-fn waiting(r: &RunRecord) -> Option<SessionId> {
-    (matches!(r.state, RunState::Queued) && r.driver.is_none()).then(|| r.session.clone())
-}
-
-/// Keeps or forgets a run by its latest write (`session`: it waits for its item).
-fn note(queued: &mut HashMap<RunId, Queued>, id: RunId, session: Option<SessionId>) {
-    match session {
-        Some(session) => {
-            queued.entry(id).or_insert_with(|| Queued {
-                session,
-                since: Instant::now(),
-                checked: None,
-            });
-        }
-        None => {
-            queued.remove(&id);
-        }
-    }
-}
-
-/// The last hour's writes, read when the watch is made: what was queued before this replica
-/// started, or while its watch was down.
-async fn read_recent(ctx: &Ctx, queued: &mut HashMap<RunId, Queued>) {
-    let since = Utc::now() - LOOKBACK;
-    match ctx
-        .buckets
-        .runs
-        .entries_written_since::<RunRecord>(">", Some(since))
-        .await
-    {
-        // Oldest first: each key's latest write is noted last.
-        Ok(entries) => {
-            for (key, record) in entries {
-                if let Ok(id) = key.parse::<RunId>() {
-                    note(queued, id, waiting(&record));
-                }
-            }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "read the runs written lately; the next watch reads them")
-        }
-    }
-}
-
-/// Checks every run queued for at least `after` and not found on its lane within `after`.
-async fn sweep(ctx: &Ctx, queued: &mut HashMap<RunId, Queued>, after: Duration) {
-    let due: Vec<RunId> = queued
-        .iter()
-        .filter(|(_, q)| {
-            q.since.elapsed() >= after && q.checked.is_none_or(|at| at.elapsed() >= after)
-        })
-        .map(|(id, _)| id.clone())
-        .collect();
-    for id in due {
-        match check(ctx, &id).await {
-            Ok(Verdict::Waiting) => {
-                if let Some(q) = queued.get_mut(&id) {
-                    q.checked = Some(Instant::now());
-                }
-            }
-            Ok(Verdict::Settled) => {
-                queued.remove(&id);
-            }
-            Err(e) => {
-                let session = queued.get(&id).map(|q| q.session.to_string());
-                tracing::warn!(run = %id, ?session, error = %e, "check a queued run; trying again at the next sweep");
-            }
-        }
-    }
-}
-
-enum Verdict {
-    /// Still queued, its item on the lane (or just published again): checked again later.
-    Waiting,
-    /// Not queued any more, or ended here.
-    Settled,
+/// Whether a run waits for its item: `queued`, no driver.
+fn waits(state: &RunState, driver: Option<&DriverClaim>) -> bool {
+    matches!(state, RunState::Queued) && driver.is_none()
 }
 
 #[derive(Debug, thiserror::Error)]
-enum CheckError {
+pub(crate) enum CheckError {
     #[error("read {what}: {source}")]
     Read {
         what: &'static str,
@@ -193,7 +95,7 @@ async fn check(ctx: &Ctx, id: &RunId) -> Result<Verdict, CheckError> {
     let Some((run, _)) = ctx.buckets.runs.get::<RunRecord>(id.as_str()).await? else {
         return Ok(Verdict::Settled);
     };
-    if waiting(&run).is_none() {
+    if !waits(&run.state, run.driver.as_ref()) {
         return Ok(Verdict::Settled);
     }
     let session = ctx
@@ -220,7 +122,7 @@ async fn check(ctx: &Ctx, id: &RunId) -> Result<Verdict, CheckError> {
     events::publish_durable(&ctx.js, subjects::lane(&run.session), &env, None).await?;
     tracing::warn!(run = %id, session = %run.session, attempt = run.attempt,
         "a run queued with no item on its lane: its item is published again");
-    Ok(Verdict::Waiting)
+    Ok(Verdict::Republished)
 }
 
 /// Whether the session's lane holds an item not yet done that starts this run (this attempt).
@@ -265,7 +167,7 @@ pub(crate) async fn end_stopped(
         .buckets
         .runs
         .modify::<RunRecord, _>(id.as_str(), |cur| match cur {
-            Some(r) if matches!(r.state, RunState::Queued) && r.driver.is_none() => {
+            Some(r) if waits(&r.state, r.driver.as_ref()) => {
                 ended = true;
                 Change::Write(RunRecord {
                     state: stopped(ended_at),

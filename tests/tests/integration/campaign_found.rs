@@ -1120,7 +1120,7 @@ async fn step_item_lost(stack: &mut Stack) -> Result<()> {
             let said = std::fs::read_to_string(&log).unwrap_or_default();
             Ok(said
                 .lines()
-                .any(|l| l.contains(unserved.id.as_str()) && l.contains("item is stored"))
+                .any(|l| l.contains(unserved.id.as_str()) && l.contains("not yet taken"))
                 .then_some(()))
         },
     )
