@@ -3,12 +3,16 @@
 //! "this consumer has an unacked item" (R1); nothing else records it. A kind done with its item
 //! removes it from the lane stream (limits retention keeps it otherwise) right behind its ack.
 //!
+//! A handler still running well after the server handed out an item again is dropped
+//! (`overdue`).
+//!
 //! The kinds, one file each, call down into `crate::handoff` and never into each other:
 //! - `turn`: one message (`lane.turn`);
 //! - `delivery`: every pending completion handed over in one turn (`lane.delivery`, R3);
 //! - `run`: a message sequence driven to completion (`lane.run`, R5).
 
 mod delivery;
+mod overdue;
 mod pull;
 mod run;
 mod turn;
@@ -78,19 +82,30 @@ async fn serve(
     // server gave it (recorded, so a survivor can take the lane over if this replica dies).
     let mut pinned = false;
     let mut pin: Option<String> = None;
+    // A handler still running after the server handed out another item (`overdue`).
+    let grace = overdue::grace(ctx.topology.lane_ack_wait);
+    let mut overdue = overdue::Overdue::default();
     let ended = loop {
         if in_flight.is_none() {
+            overdue.clear();
             if let Some(msg) = next_item.take() {
                 let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
                 let fut = handle_item(ctx.clone(), session.clone(), msg, item_cancel.clone());
                 in_flight = Some((seq, Box::pin(fut)));
             }
         }
+        let due = overdue.due(grace);
         tokio::select! {
             biased;
             _ = cancel.cancelled() => break None,
             _ = async { if let Some((_, f)) = in_flight.as_mut() { f.await } }, if in_flight.is_some() => {
                 in_flight = None;
+            }
+            _ = async { if let Some((_, at)) = due { tokio::time::sleep_until(at).await } }, if due.is_some() && in_flight.is_some() => {
+                if let (Some((held, _)), Some((next, _))) = (in_flight.take(), due) {
+                    tracing::warn!(session = %session.id, held, next, grace_s = grace.as_secs(),
+                        "a lane item's handler still ran this long after the server handed out an item again; dropped, the delivery kept is served");
+                }
             }
             next = messages.next() => match next {
                 Ok(msg) => {
@@ -111,6 +126,7 @@ async fn serve(
                         // only acked again.
                         Some((current, _)) if *current == seq => {
                             tracing::debug!(session = %session.id, seq, "redelivery of item in flight; kept for after it");
+                            overdue.arrived(seq, tokio::time::Instant::now());
                             let held_seq = next_item
                                 .as_ref()
                                 .and_then(|m| m.info().ok().map(|i| i.stream_sequence));
@@ -118,7 +134,12 @@ async fn serve(
                                 next_item = Some(msg);
                             }
                         }
-                        _ => next_item = Some(msg),
+                        _ => {
+                            if in_flight.is_some() {
+                                overdue.arrived(seq, tokio::time::Instant::now());
+                            }
+                            next_item = Some(msg);
+                        }
                     }
                 }
                 Err(e @ pull::PullError::Deleted(_)) => break Some(e.into()),
