@@ -29,15 +29,43 @@ pub(super) async fn quiet(
 ) -> Result<()> {
     let deadline = Instant::now() + LIVENESS_BOUND;
     let mut last = String::new();
+    let mut lane = None;
     while Instant::now() < deadline {
         match still_busy(client, js, mock_dir, trace, crons).await {
             Ok(None) => return Ok(()),
-            Ok(Some(why)) => last = why,
+            Ok(Some((why, session))) => (last, lane) = (why, session),
             Err(e) => last = format!("{e:#}"),
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    bail!("still busy: {last}")
+    let handed = match lane {
+        Some(session) => format!("; {}", handed_out_again(js, &session).await),
+        None => String::new(),
+    };
+    bail!("still busy: {last}{handed}")
+}
+
+/// Whether the lane's item is being handed out again and again (its deliveries grow over a
+/// little more than two campaign ack waits: every ack of it is lost) or not (held by a
+/// handler that keeps it alive, or not handed out at all).
+async fn handed_out_again(
+    js: &async_nats::jetstream::Context,
+    session: &turnstile_shared::SessionId,
+) -> String {
+    let name = turnstile_shared::subjects::lane_consumer(session);
+    let deliveries = || async {
+        let stream = js
+            .get_stream_no_info(turnstile_shared::subjects::LANE_STREAM)
+            .await?;
+        let info = stream.consumer_info(&name).await?;
+        anyhow::Ok(info.delivered.consumer_sequence)
+    };
+    let before = deliveries().await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    match (before, deliveries().await) {
+        (Ok(a), Ok(b)) => format!("lane {session}: {} deliveries in 5 s", b.saturating_sub(a)),
+        (Err(e), _) | (_, Err(e)) => format!("lane {session}: deliveries unread ({e:#})"),
+    }
 }
 
 async fn still_busy(
@@ -46,18 +74,33 @@ async fn still_busy(
     mock_dir: &std::path::Path,
     trace: &std::path::Path,
     crons: &[history::ScheduleCron],
-) -> Result<Option<String>> {
+) -> Result<Option<(String, Option<turnstile_shared::SessionId>)>> {
     let h = History::load(js, mock_dir, trace, crons.to_vec()).await?;
     if let Some(t) = h.turns.values().find(|t| !t.state.is_terminal()) {
         let lane = lane_state(js, &t.session).await;
-        return Ok(Some(format!("turn {} not ended ({lane})", t.id)));
+        return Ok(Some((
+            format!("turn {} not ended ({lane})", t.id),
+            Some(t.session.clone()),
+        )));
     }
     if let Some(r) = h.runs.values().find(|r| !r.state.is_terminal()) {
         let lane = lane_state(js, &r.session).await;
-        return Ok(Some(format!("run {} not ended ({lane})", r.id)));
+        return Ok(Some((
+            format!("run {} not ended ({lane})", r.id),
+            Some(r.session.clone()),
+        )));
     }
     if let Some(e) = h.executions.values().find(|e| !e.status.is_terminal()) {
-        return Ok(Some(format!("execution {} not ended", e.id)));
+        let kind = e.work.as_ref().map_or("no work", |w| w.kind());
+        return Ok(Some((
+            format!(
+                "execution {} not ended ({}, {kind}, session {})",
+                e.id,
+                e.status.name(),
+                e.session
+            ),
+            None,
+        )));
     }
     for s in h.sessions.values().filter(|s| s.is_active()) {
         let view: SessionView = workload::call(
@@ -71,9 +114,12 @@ async fn still_busy(
         if view.busy || view.queued > 0 || view.pending > 0 {
             let consumer = completion_state(js, &s.id).await;
             let lane = lane_state(js, &s.id).await;
-            return Ok(Some(format!(
-                "session {} busy {} queued {} pending {} ({consumer}; {lane})",
-                s.id, view.busy, view.queued, view.pending
+            return Ok(Some((
+                format!(
+                    "session {} busy {} queued {} pending {} ({consumer}; {lane})",
+                    s.id, view.busy, view.queued, view.pending
+                ),
+                Some(s.id.clone()),
             )));
         }
     }
@@ -126,6 +172,7 @@ async fn lane_state(
         Ok(i) => i,
         Err(e) => return format!("lane consumer {name}: {e}"),
     };
+
     let last = info.delivered.stream_sequence;
     let item = match stream.get_raw_message(last).await {
         Ok(m) => match turnstile_shared::lane::LaneItem::decode(&m.payload, session) {
@@ -136,11 +183,12 @@ async fn lane_state(
     };
     format!(
         "lane consumer: delivered stream seq {last} ({item}), ack floor stream seq {}, \
-         num_pending {}, num_ack_pending {}, num_redelivered {}",
+         num_pending {}, num_ack_pending {}, num_redelivered {}, deliveries so far {}",
         info.ack_floor.stream_sequence,
         info.num_pending,
         info.num_ack_pending,
-        info.num_redelivered
+        info.num_redelivered,
+        info.delivered.consumer_sequence
     )
 }
 

@@ -36,7 +36,10 @@ pub(crate) async fn acked(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::M
     match super::reconnect::double_ack(ctx, msg).await {
         Ok(()) => remove_item(ctx, session, msg).await,
         // Unconfirmed: a redelivery finds the item's end and acks it again.
-        Err(e) => tracing::debug!(session = %session.id, error = %e, "ack lane item"),
+        Err(e) => {
+            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+            tracing::warn!(session = %session.id, seq, error = %e, "ack lane item unconfirmed; its redelivery acks it again")
+        }
     }
 }
 
