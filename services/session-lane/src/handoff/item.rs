@@ -30,15 +30,31 @@ pub(crate) async fn remove_item(ctx: &Ctx, session: &SessionRecord, msg: &jetstr
     }
 }
 
+/// Deliveries of an item after which an ack that is still not confirmed no longer holds its
+/// removal back.
+const REMOVE_UNCONFIRMED_FROM: i64 = 3;
+
 /// The lane is done with this item: acked (the ack confirmed, so whoever reads the lane next
-/// sees it free), then removed.
+/// sees it free), then removed. An unconfirmed ack leaves the item for its redelivery to ack
+/// again; from its third delivery on, the item is removed all the same (its work is done): a
+/// consumer whose acks keep going unanswered would otherwise hand the item out for ever and
+/// serve nothing behind it, and a removal ahead of the ack costs at most one ack wait.
 pub(crate) async fn acked(ctx: &Ctx, session: &SessionRecord, msg: &jetstream::Message) {
     match super::reconnect::double_ack(ctx, msg).await {
         Ok(()) => remove_item(ctx, session, msg).await,
-        // Unconfirmed: a redelivery finds the item's end and acks it again.
         Err(e) => {
-            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
-            tracing::warn!(session = %session.id, seq, error = %e, "ack lane item unconfirmed; its redelivery acks it again")
+            let (seq, delivered) = msg
+                .info()
+                .map_or((0, 0), |i| (i.stream_sequence, i.delivered));
+            // Never for an item this replica may have lost (`liveness::lease`).
+            if delivered >= REMOVE_UNCONFIRMED_FROM && ctx.lease.held() {
+                tracing::warn!(session = %session.id, seq, delivered, error = %e,
+                    "ack lane item unconfirmed again; removed, its work being done");
+                remove_item(ctx, session, msg).await;
+            } else {
+                tracing::warn!(session = %session.id, seq, delivered, error = %e,
+                    "ack lane item unconfirmed; its redelivery acks it again");
+            }
         }
     }
 }
