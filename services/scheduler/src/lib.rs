@@ -7,7 +7,11 @@
 //! [`run`] starts the API and the ticker on one shared `Ctx`. Calls go down this list, never up:
 //!
 //! * `api`: the `ts.api.schedules.*` service (add, list, show, ... delete). Calls `ticker`, `cron`.
-//! * `ticker`: the loop that claims due slots and fires their runs. Calls `table`, `plan`, `cron`.
+//! * `ticker`: the loop that claims due slots and fires their runs. Calls `audit`,
+//!   `slot_record`, `table`, `plan`, `cron`.
+//! * `audit`: every slot before a cursor has a record (a store fault's loss recorded
+//!   `missed`). Calls `slot_record`, `cron`.
+//! * `slot_record`: a slot's one record (the claim, its event) and a pass's error. Leaf.
 //! * `table`: the schedules as the ticker holds them (kept by a watch), due and wake times.
 //! * `plan`: what becomes of a due slot (skip, miss, fire, overlap), pure. Leaf.
 //! * `cron`: cron expressions in an IANA zone to slot instants (UTC), pure. Leaf.
@@ -15,9 +19,11 @@
 //!   `Error`. Leaf.
 
 mod api;
+mod audit;
 pub mod cron;
 mod ctx;
 pub mod plan;
+mod slot_record;
 mod table;
 mod ticker;
 

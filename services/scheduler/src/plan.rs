@@ -14,6 +14,9 @@ pub mod slot_reason {
     pub const OUTSIDE_CATCHUP_WINDOW: &str = "outside_catchup_window";
     pub const CATCHUP_LATEST: &str = "catchup_latest";
     pub const CATCHUP_NONE: &str = "catchup_none";
+    /// A slot before the cursor found with no record (a store fault lost what decided it;
+    /// `audit`): it did not fire.
+    pub const RECORD_LOST: &str = "record_lost";
 }
 
 #[derive(Debug, Clone, PartialEq)]

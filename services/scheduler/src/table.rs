@@ -112,6 +112,14 @@ impl Table {
         self.entries.values().any(|e| e.record.buffered.is_some())
     }
 
+    /// Every schedule's record and cron, for the slot audit.
+    pub fn snapshot(&self) -> Vec<(ScheduleRecord, CronSpec)> {
+        self.entries
+            .values()
+            .map(|e| (e.record.clone(), e.cron.clone()))
+            .collect()
+    }
+
     pub fn cron(&self, name: &str) -> Option<&CronSpec> {
         self.entries.get(name).map(|e| &e.cron)
     }

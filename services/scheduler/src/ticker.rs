@@ -20,12 +20,13 @@ use turnstile_shared::api::{self, ApiError};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::events::{self, EventKind};
 use turnstile_shared::runs::{RunRecord, StartRun};
-use turnstile_shared::schedules::{slot_key, slot_run, ScheduleRecord, SlotOutcome, SlotRecord};
+use turnstile_shared::schedules::{slot_run, ScheduleRecord, SlotOutcome, SlotRecord};
 use turnstile_shared::{subjects, RunId};
 
 use crate::cron::CronSpec;
 use crate::ctx::Ctx;
 use crate::plan::{decide, Decision, Situation};
+pub(crate) use crate::slot_record::{record, TickError};
 use crate::table::Table;
 
 /// Longest sleep without looking (a missed wake-up costs at most this).
@@ -36,24 +37,15 @@ const MAX_SLOTS: usize = 1000;
 const CONCURRENCY: usize = 256;
 const API: Duration = Duration::from_secs(10);
 
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum TickError {
-    #[error(transparent)]
-    Kv(#[from] turnstile_shared::kv::KvError),
-    #[error(transparent)]
-    Publish(#[from] events::PublishError),
-    #[error(transparent)]
-    Envelope(#[from] turnstile_shared::EnvelopeError),
-    #[error("start run: {0}")]
-    Api(#[from] ApiError),
-}
-
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     let mut table = Table::default();
     let mut watch: Option<Watch> = None;
     // Run ends wake a schedule holding a buffered slot.
     let mut run_ends = ctx.client.subscribe(subjects::ALL_RUN_EVENTS).await.ok();
     let mut check_buffered = true;
+    // The slot audit (`audit`): at most one at a time, off this loop.
+    let mut audit_at = tokio::time::Instant::now() + crate::audit::PERIOD;
+    let mut auditing: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         let Some(w) = watch.as_mut() else {
             match ctx.buckets.schedules.store().watch_with_history(">").await {
@@ -81,6 +73,15 @@ pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         }
         if watch.is_none() {
             continue;
+        }
+        if audit_at <= tokio::time::Instant::now()
+            && auditing.as_ref().is_none_or(|a| a.is_finished())
+        {
+            audit_at = tokio::time::Instant::now() + crate::audit::PERIOD;
+            auditing = Some(tokio::spawn(crate::audit::audit(
+                ctx.clone(),
+                table.snapshot(),
+            )));
         }
         let now = Utc::now();
         let due = table.due(now, check_buffered);
@@ -397,53 +398,6 @@ pub(crate) async fn start_run(
         id: Some(run),
     };
     Ok(api::call(&ctx.client, subjects::api::RUNS_START, &req, API).await?)
-}
-
-/// `turnstile_slots` and `turnstile_fire_drift_seconds`, by the claim that decided the slot.
-fn observe_slot(outcome: &SlotOutcome) {
-    use turnstile_shared::metrics::{metrics, SlotLabel};
-    let m = metrics();
-    let count = |outcome| {
-        m.slots.get_or_create(&SlotLabel { outcome }).inc();
-    };
-    match outcome {
-        SlotOutcome::Fired { drift_ms, late, .. } => {
-            count("fired");
-            if *late {
-                count("late");
-            }
-            m.fire_drift.observe((*drift_ms as f64 / 1000.0).max(0.0));
-        }
-        SlotOutcome::Skipped { .. } => count("skipped"),
-        SlotOutcome::Missed { .. } => count("missed"),
-    }
-}
-
-/// Creates the slot's record (the claim) and emits `slot.<outcome>`; returns the record that
-/// stands, which is an earlier one if the slot was decided before.
-async fn record(
-    ctx: &Ctx,
-    schedule: &str,
-    slot: DateTime<Utc>,
-    outcome: SlotOutcome,
-) -> Result<SlotRecord, TickError> {
-    let key = slot_key(schedule, slot);
-    let rec = SlotRecord {
-        schedule: schedule.to_string(),
-        slot,
-        recorded_at: Utc::now(),
-        outcome,
-    };
-    if ctx.buckets.slots.create(&key, &rec).await?.is_none() {
-        if let Some((existing, _)) = ctx.buckets.slots.get::<SlotRecord>(&key).await? {
-            return Ok(existing);
-        }
-    }
-    observe_slot(&rec.outcome);
-    let k = rec.outcome.event_kind().as_str();
-    let env = Envelope::new(k, &rec)?.with_id(format!("{key}:{k}"));
-    events::publish_durable(&ctx.js, subjects::schedule_event(schedule, k), &env, None).await?;
-    Ok(rec)
 }
 
 pub(crate) async fn update(

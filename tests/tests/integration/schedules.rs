@@ -489,3 +489,67 @@ async fn wait_fired_after(
     )
     .await
 }
+
+/// R11: a `buffer_one` slot held back whose hold the store lost (the schedule's write
+/// acknowledged, then lost with a NATS node: the fault campaign found two such slots with no
+/// record at all) is still accounted for: the scheduler's audit records it `missed`, reason
+/// `record_lost`. The hold is erased here by writing the schedule's record without it, as the
+/// lost write leaves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffered_slot_the_store_lost_is_recorded_missed() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = lost_buffer(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn lost_buffer(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::schedules::ScheduleRecord;
+    use turnstile_shared::subjects;
+    let s = stack.create_session("lost-buffer", None).await?;
+    let mut spec = schedule(
+        "lost-buffer",
+        "*/3 * * * * *",
+        &s,
+        &["a long run\n!sleep 90s"],
+    );
+    spec.overlap = Overlap::BufferOne;
+    stack.add_schedule(&spec).await?;
+    let kv = stack.js.get_key_value(subjects::SCHEDULES_BUCKET).await?;
+    // The first slot fires; the next one is held while its run goes.
+    let held = turnstile_tests::wait_until("a slot held back", Duration::from_secs(30), || async {
+        let Some(entry) = kv.entry("lost-buffer").await? else {
+            return Ok(None);
+        };
+        let record: ScheduleRecord = serde_json::from_slice(&entry.value)?;
+        Ok(record.buffered.map(|slot| (slot, record, entry.revision)))
+    })
+    .await?;
+    let (slot, mut record, revision) = held;
+    record.buffered = None;
+    kv.update("lost-buffer", serde_json::to_vec(&record)?.into(), revision)
+        .await?;
+    let recorded = turnstile_tests::wait_until(
+        "the lost slot's record",
+        Duration::from_secs(90),
+        || async {
+            let slots = stack.slots("lost-buffer").await?;
+            Ok(slots.into_iter().find(|r| r.slot == slot))
+        },
+    )
+    .await?;
+    let _: ScheduleRecord = turnstile_shared::api::call(
+        &stack.client,
+        subjects::api::SCHEDULES_DELETE,
+        &turnstile_shared::schedules::ScheduleRef {
+            name: "lost-buffer".into(),
+        },
+        crate::stack::API,
+    )
+    .await?;
+    ensure!(
+        matches!(&recorded.outcome, SlotOutcome::Missed { reason } if reason == "record_lost"),
+        "the lost slot was recorded {:?}",
+        recorded.outcome
+    );
+    Ok(())
+}
