@@ -197,7 +197,13 @@ impl ChaosStack {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         env.push(("TURNSTILE_NATS_URL".into(), self.url()));
-        env.push(("RUST_LOG".into(), "info,async_nats=warn".into()));
+        // `TURNSTILE_CHAOS_LOG` sets the services' log filter for a replay read closely
+        // (e.g. `info,async_nats=warn,turnstile_session_lane::lane=debug`).
+        let filter = std::env::var("TURNSTILE_CHAOS_LOG")
+            .ok()
+            .filter(|f| !f.is_empty())
+            .unwrap_or_else(|| "info,async_nats=warn".into());
+        env.push(("RUST_LOG".into(), filter));
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let p =
             ServiceProcess::spawn_in(self.dir.as_path(), bin, &args, &env, &format!("{name}.log"))?;
