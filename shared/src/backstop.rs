@@ -43,6 +43,22 @@ pub enum Verdict {
     Settled,
 }
 
+/// Why a check could not finish (it is tried again at the next sweep).
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error("read {what}: {source}")]
+    Read {
+        what: &'static str,
+        source: async_nats::Error,
+    },
+    #[error(transparent)]
+    Kv(#[from] crate::kv::KvError),
+    #[error(transparent)]
+    Envelope(#[from] crate::envelope::EnvelopeError),
+    #[error(transparent)]
+    Publish(#[from] crate::events::PublishError),
+}
+
 /// One kind of record a backstop follows.
 pub trait Backstop: Send + Sync + 'static {
     /// The record's id, its bucket key.

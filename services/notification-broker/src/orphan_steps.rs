@@ -23,7 +23,7 @@ use async_nats::jetstream::stream::DirectGetErrorKind;
 use async_nats::jetstream::{self, context::ConsumerInfoErrorKind};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::backstop::{self, Backstop, Verdict};
+use turnstile_shared::backstop::{self, Backstop, CheckError, Verdict};
 use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::{ExecStatus, ExecutionRecord, StepWork};
 use turnstile_shared::kv::Bucket;
@@ -69,21 +69,6 @@ impl Backstop for QueuedSteps {
 /// Follows the executions bucket and sweeps every `after / 2` until `cancel`.
 pub(crate) async fn run(ctx: Arc<Ctx>, after: Duration, cancel: CancellationToken) {
     backstop::run(Arc::new(QueuedSteps(ctx)), after, cancel).await;
-}
-
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum CheckError {
-    #[error("read {what}: {source}")]
-    Read {
-        what: &'static str,
-        source: async_nats::Error,
-    },
-    #[error(transparent)]
-    Kv(#[from] turnstile_shared::kv::KvError),
-    #[error(transparent)]
-    Envelope(#[from] turnstile_shared::envelope::EnvelopeError),
-    #[error(transparent)]
-    Publish(#[from] events::PublishError),
 }
 
 /// Looks for the step's item where its workers take work; publishes it again if it is not

@@ -21,7 +21,7 @@ use async_nats::jetstream::stream::DirectGetErrorKind;
 use chrono::Utc;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::backstop::{self, Backstop, Verdict};
+use turnstile_shared::backstop::{self, Backstop, CheckError, Verdict};
 use turnstile_shared::events::{self, EventKind};
 use turnstile_shared::kv::{Bucket, Change};
 use turnstile_shared::lane::LaneItem;
@@ -73,21 +73,6 @@ pub(crate) async fn run(ctx: Arc<Ctx>, after: Duration, cancel: CancellationToke
 /// Whether a run waits for its item: `queued`, no driver.
 fn waits(state: &RunState, driver: Option<&DriverClaim>) -> bool {
     matches!(state, RunState::Queued) && driver.is_none()
-}
-
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum CheckError {
-    #[error("read {what}: {source}")]
-    Read {
-        what: &'static str,
-        source: async_nats::Error,
-    },
-    #[error(transparent)]
-    Kv(#[from] turnstile_shared::kv::KvError),
-    #[error(transparent)]
-    Envelope(#[from] turnstile_shared::envelope::EnvelopeError),
-    #[error(transparent)]
-    Publish(#[from] events::PublishError),
 }
 
 /// Reads the run and its session afresh and acts on what they say.
