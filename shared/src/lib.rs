@@ -18,7 +18,8 @@
 //!   and connect; `consume`: the durable-consumer loops; `deadletter`: refusals; `telemetry`;
 //!   `health`: the `/healthz` and `/readyz` endpoints; `bucket_watch`: the loop behind a
 //!   watch of a bucket's new writes; `backstop`: the loop behind the backstops for records
-//!   left waiting on a lost message.
+//!   left waiting on a lost message; `work_queue`: what a work queue still holds for its
+//!   consumer (where those backstops look before publishing again).
 //! - Records: `records` (sessions, turns, hosts, transport commands), `execution` (the tree),
 //!   `delivery` (completions and the delivery item), `runs`, `schedules`, `step_api`.
 //! - `lane`: the lane item, above the records it carries, and its removal once done;
@@ -66,6 +67,7 @@ pub mod step_api;
 pub mod subjects;
 pub mod telemetry;
 pub mod topology;
+pub mod work_queue;
 
 pub use envelope::{Envelope, EnvelopeError, WIRE_VERSION};
 pub use ids::{

@@ -218,6 +218,10 @@ impl Role {
                     ),
                     "ts.lane.>".into(),
                     subjects::TRANSPORT_ALL.into(),
+                    // A turn untaken this long: is its command still stored for its host
+                    // (`handoff::lost_command`)?
+                    format!("$JS.API.CONSUMER.INFO.{}.*", subjects::TRANSPORT_STREAM),
+                    format!("$JS.API.DIRECT.GET.{}", subjects::TRANSPORT_STREAM),
                     subjects::EVENTS_ALL.into(),
                     subjects::DEADLETTER_ALL.into(),
                     op_exec,

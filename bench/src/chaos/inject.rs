@@ -115,20 +115,15 @@ impl Injector {
                 Ok(host_of(&fault.target))
             }
             FaultKind::KillNats => {
-                stack.nats_node(&fault.target)?.kill().await?;
+                stack.nodes()?.kill(&fault.target).await?;
                 Ok(None)
             }
             FaultKind::PauseNats => {
-                let pid = stack
-                    .nats_node(&fault.target)?
-                    .pid()
-                    .context("not running")?;
-                signal(pid, Signal::STOP)?;
+                stack.nodes()?.pause(&fault.target).await?;
                 Ok(None)
             }
             FaultKind::PartitionNats => {
-                let (net, i) = stack.net(&fault.target)?;
-                net.cut(i)?;
+                stack.nodes()?.cut(&fault.target).await?;
                 Ok(None)
             }
             FaultKind::DiskFull => {
@@ -167,26 +162,14 @@ impl Injector {
                 let pid = stack.service(&fault.target)?.pid().context("not running")?;
                 signal(pid, Signal::CONT)
             }
-            FaultKind::KillNats => stack.nats_node(&fault.target)?.restart().await,
-            FaultKind::PauseNats => {
-                let pid = stack
-                    .nats_node(&fault.target)?
-                    .pid()
-                    .context("not running")?;
-                signal(pid, Signal::CONT)
-            }
-            FaultKind::PartitionNats => {
-                let (net, i) = stack.net(&fault.target)?;
-                net.mend(i)
-            }
+            FaultKind::KillNats => stack.nodes()?.start_again(&fault.target).await,
+            FaultKind::PauseNats => stack.nodes()?.resume(&fault.target).await,
+            FaultKind::PartitionNats => stack.nodes()?.mend(&fault.target).await,
             FaultKind::DiskFull => {
                 // What an operator does: free the space, restart the server (gracefully: it
                 // writes its stores' state on the way down).
                 stack.disk(&fault.target)?.free()?;
-                stack
-                    .nats_node(&fault.target)?
-                    .restart_graceful(Duration::from_secs(10))
-                    .await
+                stack.nodes()?.restart_graceful(&fault.target).await
             }
             FaultKind::KillAgent | FaultKind::KillTmux => Ok(()),
         }
@@ -291,14 +274,5 @@ pub async fn heal(stack: &Mutex<ChaosStack>) -> Result<()> {
             p.restart().await?;
         }
     }
-    stack.mend_all();
-    for n in &mut stack.nats {
-        match n.pid() {
-            Some(pid) => {
-                let _ = signal(pid, Signal::CONT);
-            }
-            None => n.restart().await?,
-        }
-    }
-    Ok(())
+    stack.heal_nodes().await
 }

@@ -1,13 +1,15 @@
 //! `turnstile-bench chaos`: a fault campaign. A mixed workload (`workload`) runs on a whole
 //! deployment of processes (`stack`: two replicas of every service, two transport hosts with
-//! mock agents, one nats-server or a three-node cluster with `--replicas 3`) while a plan drawn
+//! mock agents, one nats-server or a three-node cluster with `--replicas 3`, its nodes local
+//! processes or docker-compose.yml's cluster profile with `--nats compose`: `nodes`) while a
+//! plan drawn
 //! from a seed (`plan`) kills, pauses and cuts them, several faults at once (`inject`). Then
 //! the faults stop, the stack must go quiet within a bound (liveness, `end`), and the history
 //! it left (`history`) is checked against the rules (`check`). Prints the seed first (the same seed
 //! replays the same plan) and the figures last, as JSON; exits non-zero on any violation.
 //!
 //! `turnstile-bench chaos [--seed N] [--minutes M] [--every SECS] [--replicas 3]
-//! [--out FILE] [--png FILE] [--plan]` (`--png`: the timeline of faults against progress;
+//! [--nats local|compose] [--out FILE] [--png FILE] [--plan]` (`--png`: the timeline of faults against progress;
 //! `--plan`: print the plan and stop).
 
 pub mod check;
@@ -16,6 +18,7 @@ mod end;
 mod history;
 mod inject;
 mod net;
+mod nodes;
 mod plan;
 mod stack;
 mod timeline;
@@ -45,6 +48,7 @@ struct Args {
     window: Duration,
     every: Duration,
     replicas: usize,
+    nats: nodes::Kind,
     out: Option<std::path::PathBuf>,
     png: Option<std::path::PathBuf>,
     plan_only: bool,
@@ -52,11 +56,14 @@ struct Args {
 
 const USAGE: &str = "\
 usage: turnstile-bench chaos [--seed N] [--minutes M] [--every SECS] [--replicas 1|3]
-                             [--out history.json] [--png timeline.png] [--plan]
+                             [--nats local|compose] [--out history.json]
+                             [--png timeline.png] [--plan]
   --seed N        the fault plan's seed (default: random, printed; the same seed replays it)
   --minutes M     how long faults are injected (default 10)
   --every SECS    mean time between faults (default 6)
   --replicas 1|3  one nats-server, or a three-node cluster in network namespaces (default 1)
+  --nats compose  the three nodes are docker-compose.yml's cluster profile under Docker
+                  (implies --replicas 3; default: local processes)
   --out, --png    the figures as JSON, the timeline as a PNG
   --plan          print the fault plan and exit";
 
@@ -69,6 +76,7 @@ fn parse(args: &[String]) -> Result<Args> {
         window: Duration::from_secs(600),
         every: Duration::from_secs(6),
         replicas: 1,
+        nats: nodes::Kind::Local,
         out: None,
         png: None,
         plan_only: false,
@@ -92,6 +100,7 @@ fn parse(args: &[String]) -> Result<Args> {
                     bail!("--replicas takes 1 or 3");
                 }
             }
+            "--nats" => out.nats = value()?.parse()?,
             "--out" => out.out = Some(value()?.into()),
             "--png" => out.png = Some(value()?.into()),
             "--plan" => out.plan_only = true,
@@ -101,6 +110,9 @@ fn parse(args: &[String]) -> Result<Args> {
             }
             other => bail!("chaos: unknown argument {other:?}\n{USAGE}"),
         }
+    }
+    if out.nats == nodes::Kind::Compose {
+        out.replicas = 3;
     }
     Ok(out)
 }
@@ -127,11 +139,16 @@ pub async fn run(args: &[String]) -> Result<()> {
     let args = parse(args)?;
     let plan = plan::draw(args.seed, args.window, args.every, &targets(args.replicas));
     eprintln!(
-        "chaos: seed {} ({} faults over {:.1} min, {} nats node(s)); replay with --seed {}",
+        "chaos: seed {} ({} faults over {:.1} min, {} nats node(s){}); replay with --seed {}",
         args.seed,
         plan.len(),
         args.window.as_secs_f64() / 60.0,
         args.replicas,
+        if args.nats == nodes::Kind::Compose {
+            ", docker-compose.yml's cluster profile"
+        } else {
+            ""
+        },
         args.seed
     );
     if args.plan_only {
@@ -140,7 +157,9 @@ pub async fn run(args: &[String]) -> Result<()> {
     }
     // Registered before anything is set up: a signal from here on tears the stack down.
     let mut stop = Stop::register()?;
-    let stack = Arc::new(Mutex::new(ChaosStack::start(args.replicas).await?));
+    let stack = Arc::new(Mutex::new(
+        ChaosStack::start(args.replicas, args.nats).await?,
+    ));
     tokio::select! {
         biased;
         signal = stop.recv() => {
@@ -426,6 +445,7 @@ fn figures(
         "seed": args.seed,
         "minutes": args.window.as_secs_f64() / 60.0,
         "nats_nodes": args.replicas,
+        "nats": if args.nats == nodes::Kind::Compose { "compose cluster profile" } else { "local" },
         "faults": faults,
         "timeline": injected,
         "violations": violations.len(),

@@ -1,4 +1,5 @@
-//! The campaign's deployment: one nats-server or three on loopback, every service as its own
+//! The campaign's deployment: one nats-server or a three-node cluster (local processes, or
+//! docker-compose.yml's cluster profile under Docker: `nodes`), every service as its own
 //! process (two replicas of each, two transport hosts with mock agents in tmux), with the short
 //! timings the test suite uses, so fail-overs take seconds. Each process can be SIGKILLed and
 //! started again, or paused and resumed, by its name.
@@ -8,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use turnstile_tests::{bin_path, NatsServer, Placement, ServiceProcess};
+use turnstile_tests::{bin_path, ServiceProcess};
 
 use super::disk::SmallDisk;
-use super::net::Net;
+use super::nodes::{Kind, Nodes};
 
 /// Session-lane, broker and scheduler replicas, and the transport hosts.
 pub const LANES: [&str; 2] = ["a", "b"];
@@ -28,14 +29,11 @@ pub const TIMINGS: [(&str, &str); 4] = [
 ];
 
 pub struct ChaosStack {
-    pub nats: Vec<NatsServer>,
+    /// The nats nodes (none once torn down).
+    nodes: Option<Nodes>,
     /// Each node's store disk, to fill (none where a mount was refused: `no_disk` says why).
     disks: Vec<SmallDisk>,
     pub no_disk: Option<String>,
-    /// The cluster's own network, to cut a node off (none on a single server, or where it
-    /// could not be set up: `no_net` says why).
-    net: Option<Net>,
-    pub no_net: Option<String>,
     /// By name: `lane-a`, `broker-b1`, `scheduler-s1`, `transport-h1`.
     pub services: BTreeMap<String, ServiceProcess>,
     /// Services a `kill_service` fault holds down: the supervisor leaves them to the fault.
@@ -46,11 +44,13 @@ pub struct ChaosStack {
 }
 
 impl ChaosStack {
-    pub async fn start(replicas: usize) -> Result<Self> {
-        // What campaigns killed outright left (their cluster network, their store mounts).
+    pub async fn start(replicas: usize, kind: Kind) -> Result<Self> {
+        // What campaigns killed outright left (their cluster network, their store mounts,
+        // their compose projects).
         for left in super::net::sweep_orphans()
             .into_iter()
             .chain(super::disk::sweep_orphans())
+            .chain(super::nodes::compose::sweep_orphans())
         {
             eprintln!("chaos: removed what a campaign no longer running left: {left}");
         }
@@ -64,33 +64,14 @@ impl ChaosStack {
             Ok(d) => (d, None),
             Err(e) => (Vec::new(), Some(format!("{e:#}"))),
         };
-        let (net, no_net) = if replicas > 1 {
-            match Net::create(replicas) {
-                Ok(n) => (Some(n), None),
-                Err(e) => (None, Some(format!("{e:#}"))),
-            }
-        } else {
-            (None, Some("a single server is not cut off".to_string()))
-        };
-        let placements: Vec<Placement> = (0..replicas)
-            .map(|i| Placement {
-                store_dir: disks.get(i).map(|d| d.path().to_path_buf()),
-                ..net.as_ref().map(|n| n.placement(i)).unwrap_or_default()
-            })
+        let stores = (0..replicas)
+            .map(|i| disks.get(i).map(|d| d.path().to_path_buf()))
             .collect();
-        let nats = if replicas > 1 {
-            crate::cluster::start_placed(dir.path(), crate::cluster::Sync::Default, placements)
-                .await?
-        } else {
-            let placement = placements.into_iter().next().unwrap_or_default();
-            vec![NatsServer::start_placed(None, placement).await?]
-        };
+        let nodes = Nodes::start(kind, dir.path(), stores).await?;
         let mut stack = Self {
-            nats,
+            nodes: Some(nodes),
             disks,
             no_disk,
-            net,
-            no_net,
             services: BTreeMap::new(),
             down: Default::default(),
             dir: dir.path().to_path_buf(),
@@ -145,9 +126,9 @@ impl ChaosStack {
     /// A client of the campaign's own, on every node (it fails over between them).
     pub async fn connect(&self) -> Result<async_nats::Client> {
         let addrs = self
-            .nats
+            .urls()
             .iter()
-            .map(|n| n.url().parse::<async_nats::ServerAddr>())
+            .map(|u| u.parse::<async_nats::ServerAddr>())
             .collect::<Result<Vec<_>, _>>()?;
         Ok(async_nats::ConnectOptions::new()
             .retry_on_initial_connect()
@@ -157,11 +138,11 @@ impl ChaosStack {
 
     /// Every node's URL, comma-separated (as the services read `TURNSTILE_NATS_URL`).
     pub fn url(&self) -> String {
-        self.nats
-            .iter()
-            .map(NatsServer::url)
-            .collect::<Vec<_>>()
-            .join(",")
+        self.urls().join(",")
+    }
+
+    fn urls(&self) -> Vec<String> {
+        self.nodes.as_ref().map(Nodes::urls).unwrap_or_default()
     }
 
     pub fn mock_dir(&self) -> PathBuf {
@@ -217,11 +198,9 @@ impl ChaosStack {
             .with_context(|| format!("no service {name}"))
     }
 
-    pub fn nats_node(&mut self, name: &str) -> Result<&mut NatsServer> {
-        let i = node_index(name)?;
-        self.nats
-            .get_mut(i)
-            .with_context(|| format!("no nats node {name}"))
+    /// The nats nodes, to fault one.
+    pub fn nodes(&mut self) -> Result<&mut Nodes> {
+        self.nodes.as_mut().context("the stack is torn down")
     }
 
     /// The store disk of a node, when the stack has them.
@@ -229,34 +208,19 @@ impl ChaosStack {
         if let Some(why) = &self.no_disk {
             bail!("no disk of its own: {why}");
         }
-        let i = node_index(name)?;
+        let i = super::nodes::index(name)?;
         self.disks
             .get(i)
             .with_context(|| format!("no disk for {name}"))
     }
 
-    /// The network a node can be cut off from, when the stack has one.
-    pub fn net(&self, name: &str) -> Result<(&Net, usize)> {
-        match (&self.net, &self.no_net) {
-            (Some(net), _) => Ok((net, node_index(name)?)),
-            (None, why) => bail!(
-                "no network of its own: {}",
-                why.as_deref().unwrap_or("not set up")
-            ),
-        }
-    }
-
-    /// Mends every node's network and frees every store disk (after the faults, whatever
-    /// lift failed).
-    pub fn mend_all(&self) {
-        if let Some(net) = &self.net {
-            for i in 0..self.nats.len() {
-                let _ = net.mend(i);
-            }
-        }
+    /// Mends every node's network, resumes and starts every node, frees every store disk
+    /// (after the faults, whatever lift failed).
+    pub async fn heal_nodes(&mut self) -> Result<()> {
         for d in &self.disks {
             let _ = d.free();
         }
+        self.nodes()?.heal().await
     }
 
     /// The tmux socket of a host's transport agent.
@@ -304,11 +268,8 @@ impl ChaosStack {
         if let Some(d) = self.cleanup.take() {
             let _ = d.keep();
         }
-        for (i, n) in self.nats.iter().enumerate() {
-            let to = self.dir.join(format!("nats-{i}.log"));
-            if let Err(e) = std::fs::copy(n.log_path(), &to) {
-                eprintln!("chaos: keep {}: {e}", to.display());
-            }
+        if let Some(nodes) = &self.nodes {
+            nodes.keep_logs(&self.dir);
         }
     }
 }
@@ -320,9 +281,7 @@ impl ChaosStack {
     pub fn teardown(&mut self) {
         self.resume_all();
         self.services.clear();
-        self.nats.clear();
-        self.net = None;
-        self.no_net = Some("torn down".into());
+        self.nodes = None;
         self.disks.clear();
         self.no_disk = Some("torn down".into());
         self.cleanup = None;
@@ -335,10 +294,8 @@ impl ChaosStack {
                 let _ = signal(pid, rustix::process::Signal::CONT);
             }
         }
-        for n in &self.nats {
-            if let Some(pid) = n.pid() {
-                let _ = signal(pid, rustix::process::Signal::CONT);
-            }
+        if let Some(nodes) = &self.nodes {
+            nodes.resume_all();
         }
         for h in HOSTS {
             let _ = self.kill_tmux(h);
@@ -350,12 +307,6 @@ impl Drop for ChaosStack {
     fn drop(&mut self) {
         self.resume_all();
     }
-}
-
-fn node_index(name: &str) -> Result<usize> {
-    name.strip_prefix("nats-")
-        .and_then(|n| n.parse().ok())
-        .with_context(|| format!("no nats node {name}"))
 }
 
 /// One signal to one process (never a group: see the workplace's warning about `kill -PGID`).

@@ -19,16 +19,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::stream::DirectGetErrorKind;
-use async_nats::jetstream::{self, context::ConsumerInfoErrorKind};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::backstop::{self, Backstop, CheckError, Verdict};
-use turnstile_shared::envelope::Envelope;
 use turnstile_shared::execution::{ExecStatus, ExecutionRecord, StepWork};
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::step_api::StepWorkItem;
-use turnstile_shared::{events, subjects, ExecutionId, StepId};
+use turnstile_shared::{events, subjects, work_queue, ExecutionId, StepId};
 
 use crate::ctx::Ctx;
 
@@ -123,32 +120,18 @@ async fn still_queued(
 /// Whether an item of `step` is stored on its work subject past its consumer's ack floor
 /// (what a worker can still be handed; a missing consumer hands out everything stored).
 async fn stored(ctx: &Ctx, step: &StepId, work: &StepWork) -> Result<bool, CheckError> {
-    let read = |what| move |e: async_nats::Error| CheckError::Read { what, source: e };
     let (subject, consumer) = work.queue();
-    let stream: jetstream::stream::Stream<()> = ctx
-        .js
-        .get_stream_no_info(subjects::STEP_STREAM)
-        .await
-        .map_err(|e| read("the step stream")(e.into()))?;
-    let mut seq = match stream.consumer_info(consumer).await {
-        Ok(info) => info.ack_floor.stream_sequence + 1,
-        Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => 1,
-        Err(e) => return Err(read("the step work consumer")(e.into())),
-    };
-    for _ in 0..SCAN {
-        let msg = match stream
-            .direct_get_next_for_subject(subject.as_str(), Some(seq))
-            .await
-        {
-            Ok(m) => m,
-            Err(e) if e.kind() == DirectGetErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err(read("the step work items")(e.into())),
-        };
-        seq = msg.sequence + 1;
-        let item = Envelope::decode(&msg.payload).and_then(|env| env.data_as::<StepWorkItem>());
-        if item.is_ok_and(|i| i.step == *step) {
-            return Ok(true);
-        }
-    }
-    Ok(true)
+    work_queue::holds(
+        &ctx.js,
+        subjects::STEP_STREAM,
+        &consumer,
+        &subject,
+        SCAN,
+        |env| env.data_as::<StepWorkItem>().is_ok_and(|i| i.step == *step),
+    )
+    .await
+    .map_err(|e| CheckError::Read {
+        what: "the step work queue",
+        source: e.into(),
+    })
 }

@@ -92,6 +92,8 @@ pub(crate) struct Ctx {
     pub pulls: std::sync::Arc<crate::lane::PullHub>,
     /// Live hosts and sessions per host, for placing new sessions.
     pub placement: crate::placement::Placement,
+    /// How long a turn goes untaken before its command is looked for (`handoff::lost_command`).
+    pub lost_command_after: std::time::Duration,
     /// Each session's completion consumer, bound once (deliveries are on the hot path).
     pub completions: std::sync::Mutex<
         std::collections::HashMap<

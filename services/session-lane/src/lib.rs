@@ -73,6 +73,9 @@ pub struct Config {
     /// How long a run may stay `queued` with no item on its lane before its item is published
     /// again (`orphan_runs`).
     pub orphan_run_after: Duration,
+    /// How long a turn may go untaken by its live host before its lane looks for its command
+    /// and sends it again if it is not stored (`handoff::lost_command`).
+    pub lost_command_after: Duration,
 }
 
 impl Config {
@@ -85,6 +88,7 @@ impl Config {
             shutdown_grace: Duration::from_secs(10),
             liveness: LivenessTiming::default(),
             orphan_run_after: Duration::from_secs(60),
+            lost_command_after: Duration::from_secs(30),
         }
     }
 }
@@ -175,6 +179,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         standbys: handoff::Standbys::new(config.topology.lane_ack_wait),
         ended,
         placement: Default::default(),
+        lost_command_after: config.lost_command_after,
         lane_setup: tokio::sync::Semaphore::new(LANE_SETUP_CONCURRENCY),
         pulls,
     });

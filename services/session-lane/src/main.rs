@@ -24,6 +24,10 @@ struct Args {
     /// again (a backstop for an item the store lost).
     #[arg(long, env = "TURNSTILE_ORPHAN_RUN_AFTER", default_value = "60s", value_parser = turnstile_shared::duration::parse_flag)]
     orphan_run_after: std::time::Duration,
+    /// How long a turn may go untaken by its live host before the lane looks for its command
+    /// and sends it again if it is not stored (a backstop for a command the store lost).
+    #[arg(long, env = "TURNSTILE_LOST_COMMAND_AFTER", default_value = "30s", value_parser = turnstile_shared::duration::parse_flag)]
+    lost_command_after: std::time::Duration,
 }
 
 #[tokio::main]
@@ -33,6 +37,7 @@ async fn main() -> anyhow::Result<()> {
     let mut config = turnstile_session_lane::Config::new(args.nats.url);
     config.topology = args.topology.to_config();
     config.orphan_run_after = args.orphan_run_after;
+    config.lost_command_after = args.lost_command_after;
     if let Some(r) = args.replica {
         config.replica = r;
     }

@@ -1156,3 +1156,96 @@ async fn step_item_lost(stack: &mut Stack) -> Result<()> {
     ensure!(stored == 1, "{stored} items stored for the unserved step");
     Ok(())
 }
+
+/// A turn command lost after its publish was acknowledged (the store lost it, as the campaign
+/// saw happen to lane items, step items and a schedule write) would leave the lane waiting for
+/// ever on a turn its live host never takes. The lane looks for the command once the turn has
+/// gone untaken for `--lost-command-after` and sends it again; the turn is typed once.
+#[tokio::test]
+async fn a_turn_whose_command_was_lost_is_still_typed_once() -> Result<()> {
+    let mut stack =
+        Stack::start_with(&["a"], &["h1"], &[("TURNSTILE_LOST_COMMAND_AFTER", "1s")]).await?;
+    let r = command_lost(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn command_lost(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::envelope::Envelope;
+    use turnstile_shared::records::{HostRecord, TurnState};
+    use turnstile_shared::subjects;
+    let s = stack.create_session("command-lost", Some("h1")).await?;
+    let warm = stack.send(&s, "the agent is up").await?;
+    stack.wait_turn(&warm, Duration::from_secs(30)).await?;
+    // The host's transport is gone, but its host keeps heartbeating (written here, as the
+    // transport writes it): the lane must not fail the turn as `transport_unavailable`.
+    stack.transports.get_mut("h1").context("h1")?.kill().await?;
+    let beat = stack.js_as("transport-h1").await?;
+    let hosts = beat.get_key_value(subjects::HOSTS_BUCKET).await?;
+    let started_at = chrono::Utc::now();
+    let heartbeat = tokio::spawn(async move {
+        loop {
+            let record = HostRecord {
+                name: "h1".parse()?,
+                started_at,
+                heartbeat_at: chrono::Utc::now(),
+                version: "test".into(),
+            };
+            hosts.put("h1", serde_json::to_vec(&record)?.into()).await?;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        #[allow(unreachable_code)]
+        anyhow::Ok(())
+    });
+    let text = "the turn whose command is lost";
+    let t = stack.send(&s, text).await?;
+    // Its command stored for the host, then lost before anyone took it.
+    let admin = stack.js_as("admin").await?;
+    let queue = admin.get_stream(subjects::TRANSPORT_STREAM).await?;
+    let subject = subjects::transport(&"h1".parse()?, "turn");
+    let seq = wait_until("the turn's command stored", Duration::from_secs(20), || {
+        let (queue, subject, t) = (queue.clone(), subject.clone(), t.clone());
+        async move {
+            let Ok(m) = queue.direct_get_last_for_subject(subject.as_str()).await else {
+                return Ok(None);
+            };
+            let env = Envelope::decode(&m.payload)?;
+            Ok((env.turn.as_ref() == Some(&t)).then_some(m.sequence))
+        }
+    })
+    .await?;
+    ensure!(queue.delete_message(seq).await?, "the command deleted");
+    stack
+        .transports
+        .get_mut("h1")
+        .context("h1")?
+        .restart()
+        .await?;
+    let ended = stack.wait_turn(&t, Duration::from_secs(60)).await;
+    heartbeat.abort();
+    let ended = ended?;
+    ensure!(
+        matches!(ended.state, TurnState::Completed { .. }),
+        "the turn ended {:?}",
+        ended.state
+    );
+    let typed = stack
+        .transcript(&s)
+        .await?
+        .iter()
+        .filter(|m| m.contains(text))
+        .count();
+    ensure!(typed == 1, "the turn was typed {typed} times");
+    let log = stack
+        .lanes
+        .get("a")
+        .context("lane a")?
+        .log_path()
+        .to_path_buf();
+    let said = std::fs::read_to_string(&log)?;
+    ensure!(
+        said.lines()
+            .any(|l| l.contains(t.as_str()) && l.contains("its command is sent again")),
+        "the lane did not say it sent the command again"
+    );
+    Ok(())
+}

@@ -4,7 +4,7 @@
 //! - `item`: free the lane of an item done with (acked, then removed from the lane stream),
 //!   give it back, or refuse it to the dead-letter subject (R15);
 //! - `turn`: dispatch a turn, wait for its recorded outcome, tell its end and finish it (R9,
-//!   R14);
+//!   R14); `lost_command`: a command lost after it was stored is sent again while it waits;
 //! - `completions`: collect, check (R8) and settle (R3) the completions a turn carries, and
 //!   the delivery marker's clearing and re-arming; `admit`: the R8 check of each; `collected`: what was collected lately;
 //!   `standby`: the pull a busy lane keeps out for its next completions; `rearm`: arming
@@ -15,6 +15,7 @@ mod admit;
 mod collected;
 mod completions;
 mod item;
+mod lost_command;
 mod rearm;
 mod reconnect;
 mod standby;

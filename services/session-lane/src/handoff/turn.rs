@@ -16,19 +16,21 @@ use turnstile_shared::subjects;
 
 use turnstile_shared::retry::Backoff;
 
+use super::lost_command::LostCommand;
 use crate::ctx::Ctx;
 use crate::turn_watch::TurnWaiter;
 
 /// `turn.started` and the transport command, sent together and both acknowledged (R14). The
 /// transport de-duplicates by turn id, so a repeat after a crash never types twice. The
-/// command's session is the lane's own.
+/// command's session is the lane's own. Returns the command as sent (the wait sends it again
+/// if it is lost: `lost_command`).
 pub(crate) async fn dispatch(
     ctx: &Ctx,
     session: &SessionRecord,
     msg: &jetstream::Message,
     command: TurnCommand,
     kind: &'static str,
-) -> Result<(), async_nats::Error> {
+) -> Result<Envelope, async_nats::Error> {
     // Typed only under this replica's lease (`liveness::lease`).
     ctx.lease.hold().await?;
     let turn = command.turn.clone();
@@ -56,7 +58,7 @@ pub(crate) async fn dispatch(
     e?;
     c?;
     observe_dispatch(msg, kind);
-    Ok(())
+    Ok(command)
 }
 
 /// `turnstile_turns_started`, and for an item's first attempt the time from its storage on
@@ -111,18 +113,23 @@ pub(crate) struct Watch<'a> {
     /// The record the turn's command asked the transport to write, when the lane wrote
     /// none: a lapsed host fails the turn by writing it, failed.
     pub unwritten: Option<&'a TurnRecord>,
+    /// The command as this wait's dispatch sent it, sent again if it is lost
+    /// (`lost_command`); none when the wait did not dispatch.
+    pub command: Option<&'a Envelope>,
 }
 
 impl<'a> Watch<'a> {
-    /// A turn whose record the lane (or its writer before it) wrote.
+    /// A turn whose record the lane (or its writer before it) wrote, its command as sent.
     pub fn recorded(
         host: &'a turnstile_shared::HostName,
         turn: &'a turnstile_shared::TurnId,
+        command: &'a Envelope,
     ) -> Self {
         Self {
             host,
             turn,
             unwritten: None,
+            command: Some(command),
         }
     }
 }
@@ -141,6 +148,7 @@ pub(crate) async fn wait_terminal(
     let period = ctx.topology.progress_interval();
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     let mut watching = true;
+    let mut lost = watch.command.map(|c| LostCommand::new(ctx, c));
     loop {
         tokio::select! {
             biased;
@@ -167,9 +175,10 @@ pub(crate) async fn wait_terminal(
                     }
                 }
                 // Fallback for a watch that missed an update across a reconnect.
-                if let Ok(Some((rec, _))) = ctx.buckets.turns.get::<TurnRecord>(turn.as_str()).await {
+                let read = ctx.buckets.turns.get::<TurnRecord>(turn.as_str()).await;
+                if let Ok(Some((rec, _))) = &read {
                     if rec.state.is_terminal() {
-                        return Some(rec);
+                        return Some(rec.clone());
                     }
                 }
                 // A host that stopped heartbeating will not record the outcome: the turn
@@ -177,6 +186,11 @@ pub(crate) async fn wait_terminal(
                 // sessions are touched.
                 if let Some(rec) = fail_if_host_lapsed(ctx, watch).await {
                     return Some(rec);
+                }
+                // A live host that never took the turn: its command may be lost.
+                if let (Some(lost), Ok(found), true) = (lost.as_mut(), &read, ctx.lease.held()) {
+                    let untaken = found.as_ref().is_none_or(|(r, _)| r.state == TurnState::Queued);
+                    lost.check(ctx, watch.host, turn, untaken).await;
                 }
             }
         }
@@ -191,6 +205,7 @@ async fn fail_if_host_lapsed(ctx: &Ctx, watch: Watch<'_>) -> Option<TurnRecord> 
         host,
         turn,
         unwritten,
+        ..
     } = watch;
     match ctx
         .buckets

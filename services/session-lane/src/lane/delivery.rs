@@ -46,10 +46,12 @@ pub(super) async fn run_delivery(
     let mut unseen = None;
     // The record this attempt's command asks the transport to write, if nobody wrote one.
     let mut unwritten = None;
+    // The command this attempt sent, sent again if it is lost (`lost_command`).
+    let mut sent = None;
     let (record, held) = match existing {
         Some(record) => {
             if !record.state.is_terminal() {
-                if let Err(e) = dispatch(
+                match dispatch(
                     ctx,
                     session,
                     &msg,
@@ -58,7 +60,8 @@ pub(super) async fn run_delivery(
                 )
                 .await
                 {
-                    return retry(DeliveryError::Nats(e)).await;
+                    Ok(command) => sent = Some(command),
+                    Err(e) => return retry(DeliveryError::Nats(e)).await,
                 }
             }
             (record, Vec::new())
@@ -86,11 +89,14 @@ pub(super) async fn run_delivery(
             }
             let record = carrying(session, &turn_id, &item, &carried);
             let command = command_for(session, &record, true);
-            if let Err(e) = dispatch(ctx, session, &msg, command, item_kind::DELIVERY).await {
-                for h in &held {
-                    let _ = h.ack_with(AckKind::Nak(None)).await;
+            match dispatch(ctx, session, &msg, command, item_kind::DELIVERY).await {
+                Ok(command) => sent = Some(command),
+                Err(e) => {
+                    for h in &held {
+                        let _ = h.ack_with(AckKind::Nak(None)).await;
+                    }
+                    return retry(DeliveryError::Nats(e)).await;
                 }
-                return retry(DeliveryError::Nats(e)).await;
             }
             backstop_record(ctx, &record, waiter.rx.clone());
             unwritten = Some(record.clone());
@@ -114,6 +120,7 @@ pub(super) async fn run_delivery(
             host: &session.host,
             turn: &turn_id,
             unwritten: unwritten.as_ref(),
+            command: sent.as_ref(),
         };
         match wait_terminal(ctx, &msg, watch, waiter, cancel, &held).await {
             Some(r) => r,

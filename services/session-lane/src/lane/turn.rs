@@ -58,12 +58,15 @@ pub(super) async fn run_turn(
         known,
         unrecorded: false,
     };
-    if let Err(e) = dispatch(ctx, session, &msg, command, item_kind::TURN).await {
-        tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
-        retry_later(ctx, &msg, Duration::from_millis(500)).await;
-        return;
-    }
-    let watch = Watch::recorded(&session.host, &item.turn);
+    let sent = match dispatch(ctx, session, &msg, command, item_kind::TURN).await {
+        Ok(sent) => sent,
+        Err(e) => {
+            tracing::warn!(session = %session.id, turn = %item.turn, error = %e, "dispatch; retrying");
+            retry_later(ctx, &msg, Duration::from_millis(500)).await;
+            return;
+        }
+    };
+    let watch = Watch::recorded(&session.host, &item.turn, &sent);
     match wait_terminal(ctx, &msg, watch, waiter, cancel, &[]).await {
         Some(record) => {
             finish(ctx, session, &msg, &record).await;

@@ -361,13 +361,13 @@ impl Driver<'_> {
             known: (record.state == TurnState::Queued).then_some(KnownTurn { revision, record }),
             unrecorded: false,
         };
-        dispatch(self.ctx, self.session, self.msg, command, item_kind::RUN)
+        let sent = dispatch(self.ctx, self.session, self.msg, command, item_kind::RUN)
             .await
             .map_err(DriveError::Dispatch)?;
         Ok(wait_terminal(
             self.ctx,
             self.msg,
-            Watch::recorded(&self.session.host, turn),
+            Watch::recorded(&self.session.host, turn, &sent),
             waiter,
             self.cancel,
             held,
