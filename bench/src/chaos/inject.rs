@@ -17,7 +17,8 @@ use turnstile_shared::subjects::api as subj;
 use turnstile_shared::{SessionId, TurnId};
 
 use super::plan::{Fault, FaultKind, Rng};
-use super::stack::{signal, ChaosStack};
+use super::signal::signal;
+use super::stack::ChaosStack;
 use super::workload::{call, Sessions};
 
 /// What became of one fault.

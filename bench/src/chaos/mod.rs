@@ -20,6 +20,7 @@ mod inject;
 mod net;
 mod nodes;
 mod plan;
+mod signal;
 mod stack;
 mod timeline;
 mod workload;

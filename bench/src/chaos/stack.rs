@@ -13,6 +13,7 @@ use turnstile_tests::{bin_path, ServiceProcess};
 
 use super::disk::SmallDisk;
 use super::nodes::{Kind, Nodes};
+use super::signal::signal;
 
 /// Session-lane, broker and scheduler replicas, and the transport hosts.
 pub const LANES: [&str; 2] = ["a", "b"];
@@ -307,15 +308,4 @@ impl Drop for ChaosStack {
     fn drop(&mut self) {
         self.resume_all();
     }
-}
-
-/// One signal to one process (never a group: see the workplace's warning about `kill -PGID`).
-pub fn signal(pid: u32, sig: rustix::process::Signal) -> Result<()> {
-    let raw = i32::try_from(pid)?;
-    if raw <= 1 {
-        bail!("refusing to signal pid {pid}");
-    }
-    let pid = rustix::process::Pid::from_raw(raw).context("pid")?;
-    rustix::process::kill_process(pid, sig).with_context(|| format!("signal {raw}"))?;
-    Ok(())
 }

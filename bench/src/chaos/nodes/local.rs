@@ -11,7 +11,7 @@ use rustix::process::Signal;
 use turnstile_tests::{NatsServer, Placement};
 
 use super::super::net::Net;
-use super::super::stack::signal;
+use super::super::signal::signal;
 
 pub struct Local {
     nats: Vec<NatsServer>,
