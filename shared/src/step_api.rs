@@ -178,6 +178,18 @@ impl std::fmt::Debug for StepWorkItem {
 }
 
 impl StepWorkItem {
+    /// The work item of a step as its registry record holds it (the start publishes it; the
+    /// broker's backstop publishes it again if it is lost).
+    pub fn of(record: &ExecutionRecord, step: StepId, work: crate::execution::StepWork) -> Self {
+        Self {
+            step,
+            token: record.token.clone().unwrap_or_default(),
+            session: record.session.clone(),
+            name: record.name.clone(),
+            work,
+        }
+    }
+
     pub fn envelope(&self) -> Result<Envelope, EnvelopeError> {
         Ok(Envelope::new(step_kind::WORK, self)?
             .with_session(&self.session)

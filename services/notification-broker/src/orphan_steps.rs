@@ -83,13 +83,7 @@ async fn check(ctx: &Ctx, id: &StepId) -> Result<Verdict, CheckError> {
     let Some((record, work)) = still_queued(ctx, &exec).await? else {
         return Ok(Verdict::Settled);
     };
-    let item = StepWorkItem {
-        step: id.clone(),
-        token: record.token.clone().unwrap_or_default(),
-        session: record.session.clone(),
-        name: record.name.clone(),
-        work: work.clone(),
-    };
+    let item = StepWorkItem::of(&record, id.clone(), work.clone());
     let env = item.envelope()?;
     let env = {
         let again = format!("{}:again", env.id);

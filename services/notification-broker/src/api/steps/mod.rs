@@ -269,13 +269,7 @@ async fn dispatch(
     step: StepId,
     work: StepWork,
 ) -> Result<(), ApiError> {
-    let item = StepWorkItem {
-        step,
-        token: record.token.clone().unwrap_or_default(),
-        session: record.session.clone(),
-        name: record.name.clone(),
-        work: work.clone(),
-    };
+    let item = StepWorkItem::of(record, step, work.clone());
     let (subject, _) = work.queue();
     let env = item.envelope().map_err(ApiError::internal)?;
     // Unavailable, not internal: the caller retries with the same step id, and the retry
