@@ -51,7 +51,7 @@ impl ChaosStack {
         for left in super::net::sweep_orphans()
             .into_iter()
             .chain(super::disk::sweep_orphans())
-            .chain(super::nodes::compose::sweep_orphans())
+            .chain(super::nodes::docker::sweep_orphans())
         {
             eprintln!("chaos: removed what a campaign no longer running left: {left}");
         }

@@ -18,7 +18,7 @@
 //! full disk is freed (SIGTERM, then SIGKILL after 10 s).
 //!
 //! The project is named `tschaos<pid>`; the next campaign removes what one no longer running
-//! left ([`sweep_orphans`]).
+//! left (`docker::sweep_orphans`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,11 +26,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
+use super::docker::{docker, ensure_image, ip, ip_out, output, IMAGE, PROJECT_PREFIX};
+
 /// The profile's nats services, in the campaign's node order (`nats-0` is `nats`).
 pub const SERVICES: [&str; 3] = ["nats", "nats-2", "nats-3"];
-/// The image docker-compose.yml runs (`NATS_IMAGE`), as scripts/build-images.sh names it.
-pub const IMAGE: &str = "turnstile-nats:local";
-const PROJECT_PREFIX: &str = "tschaos";
 
 pub struct Compose {
     project: String,
@@ -363,104 +362,6 @@ fn override_file(subnet: &str, addrs: &[String], stores: &[PathBuf]) -> String {
         ));
     }
     text
-}
-
-/// Builds the nats image as scripts/build-images.sh does (deploy/nats.Dockerfile, FROM
-/// scratch, the pinned binary) when the engine does not have it.
-async fn ensure_image() -> Result<()> {
-    if docker(&["image", "inspect", IMAGE]).await.is_ok() {
-        return Ok(());
-    }
-    let context = tempfile::tempdir()?;
-    let bin = turnstile_tests::nats_server_bin()?;
-    std::fs::copy(&bin, context.path().join("nats-server"))
-        .with_context(|| format!("copy {}", bin.display()))?;
-    std::fs::copy(
-        turnstile_tests::workspace_root().join("deploy/nats.Dockerfile"),
-        context.path().join("Dockerfile"),
-    )
-    .context("copy deploy/nats.Dockerfile")?;
-    let path = context.path().to_string_lossy().into_owned();
-    docker(&["build", "-q", "-t", IMAGE, &path]).await?;
-    Ok(())
-}
-
-/// Removes the containers and networks of campaigns no longer running; returns what it
-/// removed.
-pub fn sweep_orphans() -> Vec<String> {
-    let dead = |project: &str| {
-        project
-            .strip_prefix(PROJECT_PREFIX)
-            .and_then(|pid| pid.parse::<u32>().ok())
-            .is_some_and(|pid| !super::super::net::running(pid))
-    };
-    let list = |args: &[&str]| -> Vec<String> {
-        std::process::Command::new("docker")
-            .args(args)
-            .output()
-            .map(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .lines()
-                    .map(str::to_string)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let mut removed = Vec::new();
-    let label = "{{.Label \"com.docker.compose.project\"}} {{.Names}}";
-    for line in list(&["ps", "-a", "--format", label]) {
-        let mut words = line.split_whitespace();
-        let (Some(project), Some(name)) = (words.next(), words.next()) else {
-            continue;
-        };
-        if dead(project) && run_quiet(&["rm", "-f", "-v", name]) {
-            removed.push(format!("container {name}"));
-        }
-    }
-    for network in list(&["network", "ls", "--format", "{{.Name}}"]) {
-        if network.strip_suffix("_default").is_some_and(&dead)
-            && run_quiet(&["network", "rm", &network])
-        {
-            removed.push(format!("network {network}"));
-        }
-    }
-    removed
-}
-
-fn run_quiet(args: &[&str]) -> bool {
-    std::process::Command::new("docker")
-        .args(args)
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-async fn docker(args: &[&str]) -> Result<String> {
-    let mut command = tokio::process::Command::new("docker");
-    command.args(args);
-    output(command, &format!("docker {}", args.join(" "))).await
-}
-
-async fn ip(args: &[&str]) -> Result<()> {
-    ip_out(args).await.map(|_| ())
-}
-
-async fn ip_out(args: &[&str]) -> Result<String> {
-    let mut command = tokio::process::Command::new("ip");
-    command.args(args);
-    output(command, &format!("ip {}", args.join(" "))).await
-}
-
-/// Runs `command` (bounded: 120 s), its stdout on success, its stderr in the error.
-async fn output(mut command: tokio::process::Command, what: &str) -> Result<String> {
-    command.kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(120), command.output())
-        .await
-        .with_context(|| format!("{what}: no answer within 120 s"))?
-        .with_context(|| what.to_string())?;
-    if !out.status.success() {
-        bail!("{what}: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[cfg(test)]

@@ -1,9 +1,11 @@
 //! The campaign's nats nodes and what a fault does to one (kill and start, pause and resume,
 //! cut off and mend, a graceful restart), whichever runs them: local processes (`local`: one
 //! server, or three in network namespaces) or Docker running docker-compose.yml's cluster
-//! profile (`compose`, `--nats compose`). Nodes are named `nats-<i>` in the plan.
+//! profile (`compose`, `--nats compose`; `docker`: the commands it is driven by, and the sweep
+//! of what a campaign killed outright left). Nodes are named `nats-<i>` in the plan.
 
 pub mod compose;
+pub mod docker;
 mod local;
 
 use std::path::{Path, PathBuf};
