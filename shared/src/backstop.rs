@@ -67,7 +67,6 @@ pub trait Backstop: Send + Sync + 'static {
     type Glance: DeserializeOwned;
     /// What is kept of a waiting record until it is checked.
     type Note: Send + 'static;
-    type Error: Display + Send;
 
     /// The record kind, as logs name it (`run`, `step`).
     const KIND: &'static str;
@@ -85,7 +84,7 @@ pub trait Backstop: Send + Sync + 'static {
         &self,
         id: &Self::Id,
         note: &Self::Note,
-    ) -> impl Future<Output = Result<Verdict, Self::Error>> + Send;
+    ) -> impl Future<Output = Result<Verdict, CheckError>> + Send;
 }
 
 /// A waiting record: since when this replica knows it so, and when it was last checked.

@@ -179,13 +179,10 @@ impl ChaosStack {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         env.push(("TURNSTILE_NATS_URL".into(), self.url()));
-        // `TURNSTILE_CHAOS_LOG` sets the services' log filter for a replay read closely
-        // (e.g. `info,async_nats=warn,turnstile_session_lane::lane=debug`).
-        let filter = std::env::var("TURNSTILE_CHAOS_LOG")
-            .ok()
-            .filter(|f| !f.is_empty())
-            .unwrap_or_else(|| "info,async_nats=warn".into());
-        env.push(("RUST_LOG".into(), filter));
+        env.push((
+            "RUST_LOG".into(),
+            log_filter(std::env::var("TURNSTILE_CHAOS_LOG").ok()),
+        ));
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let p =
             ServiceProcess::spawn_in(self.dir.as_path(), bin, &args, &env, &format!("{name}.log"))?;
@@ -307,5 +304,27 @@ impl ChaosStack {
 impl Drop for ChaosStack {
     fn drop(&mut self) {
         self.resume_all();
+    }
+}
+
+/// The services' log filter: `TURNSTILE_CHAOS_LOG` when set (a replay read closely, e.g.
+/// `info,async_nats=warn,turnstile_session_lane::lane=debug`), else info without the client's
+/// chatter.
+fn log_filter(chaos_log: Option<String>) -> String {
+    chaos_log
+        .filter(|f| !f.trim().is_empty())
+        .unwrap_or_else(|| "info,async_nats=warn".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_services_log_at_info_unless_the_campaign_is_told_otherwise() {
+        assert_eq!(log_filter(None), "info,async_nats=warn");
+        assert_eq!(log_filter(Some(" ".into())), "info,async_nats=warn");
+        let close = "info,async_nats=warn,turnstile_session_lane=debug";
+        assert_eq!(log_filter(Some(close.into())), close);
     }
 }

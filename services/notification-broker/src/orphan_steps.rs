@@ -46,7 +46,6 @@ impl Backstop for QueuedSteps {
     type Id = StepId;
     type Glance = Glance;
     type Note = ();
-    type Error = CheckError;
     const KIND: &'static str = "step";
     const BUCKET: &'static str = "executions";
 

@@ -48,7 +48,6 @@ impl Backstop for QueuedRuns {
     type Glance = Glance;
     /// The run's session (logs name it).
     type Note = SessionId;
-    type Error = CheckError;
     const KIND: &'static str = "run";
     const BUCKET: &'static str = "runs";
 

@@ -152,6 +152,8 @@ async fn a_campaign_stopped_by_sigterm_removes_its_network_mounts_and_processes(
     let bin = turnstile_tests::bin_path("turnstile-bench")?;
     let campaign = tokio::process::Command::new(&bin)
         .args(["chaos", "--seed", "1", "--minutes", "5", "--replicas", "3"])
+        // The services' log filter (a replay read closely sets it): warnings only here.
+        .env("TURNSTILE_CHAOS_LOG", "warn")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
@@ -213,6 +215,19 @@ async fn a_campaign_stopped_by_sigterm_removes_its_network_mounts_and_processes(
         "bridge {bridge} left"
     );
     ensure!(mounts() == 0, "mounts left");
+    // Its directory is kept and named; the services logged at the filter given.
+    let kept = stderr
+        .lines()
+        .find_map(|l| l.split("logs in ").nth(1))
+        .map(|d| std::path::PathBuf::from(d.trim()))
+        .context("the kept directory is named")?;
+    let lane_log = std::fs::read_to_string(kept.join("lane-a.log"))?;
+    let _ = std::fs::remove_dir_all(&kept);
+    ensure!(lane_log.contains("=== spawn"), "{lane_log}");
+    ensure!(
+        !lane_log.contains(" INFO "),
+        "TURNSTILE_CHAOS_LOG=warn, yet the lane logged at info: {lane_log}"
+    );
     turnstile_tests::wait_until(
         "every process of the campaign gone",
         Duration::from_secs(10),
