@@ -218,6 +218,24 @@ impl NatsServer {
         self.child.as_ref().and_then(Child::id)
     }
 
+    /// SIGSTOPs the server: its connections stay open and nothing is answered until
+    /// [`NatsServer::resume`] (a SIGKILL on drop still ends it).
+    pub fn pause(&self) -> anyhow::Result<()> {
+        self.signal(rustix::process::Signal::STOP)
+    }
+
+    pub fn resume(&self) -> anyhow::Result<()> {
+        self.signal(rustix::process::Signal::CONT)
+    }
+
+    /// One signal to the server's process (never a group).
+    fn signal(&self, sig: rustix::process::Signal) -> anyhow::Result<()> {
+        let pid = self.pid().context("nats-server is not running")?;
+        let pid = rustix::process::Pid::from_raw(i32::try_from(pid)?).context("pid")?;
+        rustix::process::kill_process(pid, sig).context("signal nats-server")?;
+        Ok(())
+    }
+
     /// SIGKILLs the server and waits for it to exit (no-op when not running).
     pub async fn kill(&mut self) -> anyhow::Result<()> {
         if let Some(mut child) = self.child.take() {

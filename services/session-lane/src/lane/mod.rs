@@ -152,8 +152,8 @@ async fn serve(
     if let Some(err) = ended {
         // Keep the item we hold: its handler is still waiting; a fresh pull stream redelivers
         // nothing new while it is unacked.
-        if let Some((_, f)) = in_flight {
-            f.await;
+        if let Some((held, f)) = in_flight {
+            let_end_within(session, held, f, grace, "its consumer was deleted").await;
         }
         return Err(err);
     }
@@ -161,8 +161,8 @@ async fn serve(
     // shutdown the pin is released only after this replica's connection has closed (lib.rs).
     drop(messages);
     item_cancel.cancel();
-    if let Some((_, f)) = in_flight {
-        f.await;
+    if let Some((held, f)) = in_flight {
+        let_end_within(session, held, f, grace, "the lane is stopping").await;
     }
     if ctx.fenced.is_cancelled() {
         return Ok(());
@@ -174,6 +174,22 @@ async fn serve(
         Box::pin(crate::liveness::forget_pin(ctx, &session.id)).await;
     }
     Ok(())
+}
+
+/// Lets the handler in flight end, for at most `grace` (a handler that never returns would
+/// keep the lane from starting again, or from stopping); past it the handler is dropped, as
+/// a take-over drops one on another replica (R14 resumes from the records).
+async fn let_end_within(
+    session: &SessionRecord,
+    held: u64,
+    handler: ItemFuture,
+    grace: std::time::Duration,
+    why: &'static str,
+) {
+    if tokio::time::timeout(grace, handler).await.is_err() {
+        tracing::warn!(session = %session.id, held, grace_s = grace.as_secs(), why,
+            "a lane item's handler did not end within its grace; dropped");
+    }
 }
 
 /// Binds the lane's consumer. A replica starting with thousands of lanes sets them up a

@@ -6,6 +6,8 @@
 //! to the dead-letter subject (R8).
 
 use async_nats::jetstream::{self, AckKind};
+use std::time::Duration;
+
 use futures::StreamExt;
 use serde_json::json;
 use turnstile_shared::delivery::{Completion, COMPLETION_KIND, DELIVERY_CAP};
@@ -51,15 +53,23 @@ impl Batch {
             session: session.id.clone(),
             source: e,
         };
-        let mut batch = consumer
+        let batch = consumer
             .fetch()
             .max_messages(DELIVERY_CAP.saturating_sub(fetched.items.len()).max(1))
             .messages()
             .await
             .map_err(|e| fetch_err(e.into()))?;
-        while let Some(m) = batch.next().await {
-            let msg = m.map_err(&fetch_err)?;
+        let mut taken = Vec::new();
+        let drained = drain(batch, FETCH_BOUND, &mut taken).await;
+        for msg in taken {
             fetched.take_in(ctx, &session.id, msg).await;
+        }
+        match drained {
+            Drained::Ended => {}
+            Drained::Failed(e) => return Err(fetch_err(e)),
+            Drained::Unanswered => {
+                tracing::warn!(session = %session.id, taken = fetched.items.len(), "a completion fetch got no end from the server within {FETCH_BOUND:?}; going on with what came (the rest comes back after its ack wait)")
+            }
         }
         Ok(fetched)
     }
@@ -160,5 +170,106 @@ pub(super) async fn reject(ctx: &Ctx, session: &SessionId, m: &jetstream::Messag
     match ev {
         Ok(ev) => deadletter::refuse(&ctx.js, m, dlq, reason, &ev).await,
         Err(e) => tracing::error!(error = %e, "build completion.rejected"),
+    }
+}
+
+/// How long a fetch's reply may take. The server answers a fetch at once (it does not wait
+/// for messages), so this is only reached when the request or its end was lost: the consumer's
+/// leader killed, paused or cut off mid-request. The client library sets no timer for a fetch
+/// without an expiry, and without this bound the delivery (and its lane) waited for ever.
+pub(crate) const FETCH_BOUND: Duration = Duration::from_secs(10);
+
+/// How a fetch's stream ended.
+#[derive(Debug)]
+pub(crate) enum Drained {
+    /// The server ended it (no more messages, or the batch is full).
+    Ended,
+    /// A message could not be received.
+    Failed(async_nats::Error),
+    /// No end within the bound: what came is kept.
+    Unanswered,
+}
+
+/// Takes a fetch's messages into `taken` until the server ends it, bounded by `bound`.
+pub(crate) async fn drain<S>(
+    batch: S,
+    bound: Duration,
+    taken: &mut Vec<jetstream::Message>,
+) -> Drained
+where
+    S: futures::Stream<Item = Result<jetstream::Message, async_nats::Error>>,
+{
+    let mut batch = std::pin::pin!(batch);
+    let all = async {
+        while let Some(m) = batch.next().await {
+            match m {
+                Ok(msg) => taken.push(msg),
+                Err(e) => return Drained::Failed(e),
+            }
+        }
+        Drained::Ended
+    };
+    tokio::time::timeout(bound, all)
+        .await
+        .unwrap_or(Drained::Unanswered)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use async_nats::jetstream::{consumer, stream};
+
+    use super::*;
+
+    /// A fetch whose server does not answer (paused as the request goes out) ends at the
+    /// bound, keeping what came; the same fetch answered ends at once with the messages.
+    #[tokio::test]
+    async fn a_fetch_nobody_answers_ends_at_the_bound() -> anyhow::Result<()> {
+        let server = turnstile_tests::NatsServer::start().await?;
+        let js = async_nats::jetstream::new(server.client().await?);
+        let s = js
+            .create_stream(stream::Config {
+                name: "FETCH".into(),
+                subjects: vec!["fetch.>".into()],
+                ..Default::default()
+            })
+            .await?;
+        let c: consumer::PullConsumer = s
+            .create_consumer(consumer::pull::Config {
+                durable_name: Some("f".into()),
+                ..Default::default()
+            })
+            .await?;
+        js.publish("fetch.x", "one".into()).await?.await?;
+        let mut taken = Vec::new();
+        let answered = drain(
+            c.fetch().max_messages(5).messages().await?,
+            Duration::from_secs(5),
+            &mut taken,
+        )
+        .await;
+        assert!(matches!(answered, Drained::Ended), "{answered:?}");
+        assert_eq!(taken.len(), 1);
+
+        server.pause()?;
+        let mut taken = Vec::new();
+        let started = tokio::time::Instant::now();
+        let fetch = async {
+            match c.fetch().max_messages(5).messages().await {
+                Ok(batch) => drain(batch, Duration::from_millis(500), &mut taken).await,
+                Err(e) => Drained::Failed(e.into()),
+            }
+        };
+        // The client library alone would wait here for ever (no timer on a fetch without an
+        // expiry): the outer bound turns that into a failure.
+        let unanswered = tokio::time::timeout(Duration::from_secs(5), fetch).await;
+        server.resume()?;
+        let unanswered =
+            unanswered.map_err(|_| anyhow::anyhow!("the fetch waited past its bound"))?;
+        assert!(matches!(unanswered, Drained::Unanswered), "{unanswered:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(taken.is_empty());
+        Ok(())
     }
 }
