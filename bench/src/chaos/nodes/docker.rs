@@ -69,6 +69,17 @@ pub fn sweep_orphans() -> Vec<String> {
             removed.push(format!("network {network}"));
         }
     }
+    // The volumes docker-compose.yml declares, made by `up` for the project.
+    let volume_label = "{{.Label \"com.docker.compose.project\"}} {{.Name}}";
+    for line in list(&["volume", "ls", "--format", volume_label]) {
+        let mut words = line.split_whitespace();
+        let (Some(project), Some(name)) = (words.next(), words.next()) else {
+            continue;
+        };
+        if dead(project) && run_quiet(&["volume", "rm", name]) {
+            removed.push(format!("volume {name}"));
+        }
+    }
     removed
 }
 
@@ -134,6 +145,8 @@ mod tests {
             let network = format!("{project}_default");
             docker(&["network", "create", &network]).await?;
             let label = format!("com.docker.compose.project={project}");
+            let volume = format!("{project}_nats-data");
+            docker(&["volume", "create", "--label", &label, &volume]).await?;
             let name = format!("{project}_nats_1");
             docker(&[
                 "create",
@@ -153,6 +166,8 @@ mod tests {
         // The live one's, removed by hand.
         let _ = docker(&["rm", "-f", &format!("{live}_nats_1")]).await;
         let _ = docker(&["network", "rm", &format!("{live}_default")]).await;
+        let volumes = docker(&["volume", "ls", "--format", "{{.Name}}"]).await?;
+        let _ = docker(&["volume", "rm", &format!("{live}_nats-data")]).await;
         let _ = alive.kill();
         let _ = alive.wait();
         assert!(
@@ -164,6 +179,14 @@ mod tests {
             "{removed:?}"
         );
         assert!(!names.contains(&format!("{dead}_nats_1")), "{names}");
+        assert!(
+            removed.contains(&format!("volume {dead}_nats-data")),
+            "{removed:?}"
+        );
+        assert!(
+            volumes.contains(&format!("{live}_nats-data")),
+            "the live one's kept"
+        );
         assert!(!networks.contains(&format!("{dead}_default")), "{networks}");
         assert!(
             names.contains(&format!("{live}_nats_1")),

@@ -68,7 +68,8 @@ impl Batch {
             Drained::Ended => {}
             Drained::Failed(e) => return Err(fetch_err(e)),
             Drained::Unanswered => {
-                tracing::warn!(session = %session.id, taken = fetched.items.len(), "a completion fetch got no end from the server within {FETCH_BOUND:?}; going on with what came (the rest comes back after its ack wait)")
+                tracing::warn!(session = %session.id, taken = fetched.items.len(), "a completion fetch got no end from the server within {FETCH_BOUND:?}; going on with what came, and arming a delivery for the rest once their ack wait has run out");
+                rearm_after(ctx, &session.id);
             }
         }
         Ok(fetched)
@@ -171,6 +172,25 @@ pub(super) async fn reject(ctx: &Ctx, session: &SessionId, m: &jetstream::Messag
         Ok(ev) => deadletter::refuse(&ctx.js, m, dlq, reason, &ev).await,
         Err(e) => tracing::error!(error = %e, "build completion.rejected"),
     }
+}
+
+/// A fetch cut off at its bound may still have been served, after the bound, to the inbox it
+/// no longer reads (a paused leader resumed): those completions come back once their ack
+/// wait runs out, and nothing counts them as pending now. So a delivery is armed for the
+/// session then; one that finds nothing clears its marker.
+fn rearm_after(ctx: &Ctx, session: &SessionId) {
+    let (js, deliveries, session) = (
+        ctx.js.clone(),
+        ctx.buckets.deliveries.clone(),
+        session.clone(),
+    );
+    let wait = ctx.topology.lane_ack_wait + Duration::from_secs(1);
+    tokio::spawn(async move {
+        tokio::time::sleep(wait).await;
+        if let Err(e) = turnstile_shared::arming::arm(&js, &deliveries, &session).await {
+            tracing::warn!(%session, error = %e, "arm a delivery for completions a cut-off fetch may have left");
+        }
+    });
 }
 
 /// How long a fetch's reply may take. The server answers a fetch at once (it does not wait
