@@ -10,6 +10,8 @@
 //! - `api`: the request/reply APIs: `api/sessions/` (`ts.api.session.*`, a file per concern)
 //!   and `api/runs.rs` (`ts.api.runs.*`). Calls `handoff`, `lane` (run events), `orphan_runs`,
 //!   `ctx`.
+//! - `stranded`: the repair of a lane consumer gone past items it never handed out (its items
+//!   published again at the lane's end).
 //! - `orphan_runs`: the backstop that publishes again the lane item of a run queued with none,
 //!   and ends a run queued on a stopped session. Calls `lane` (run events), `ctx`,
 //!   `bucket_watch`.
@@ -43,6 +45,7 @@ mod lane;
 mod liveness;
 mod orphan_runs;
 mod placement;
+mod stranded;
 mod supervisor;
 mod turn_watch;
 
@@ -190,6 +193,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         config.orphan_run_after,
         stop.child_token(),
     ));
+    tokio::spawn(stranded::run(ctx.clone(), stop.child_token()));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");
 
     // Liveness outlives the lanes on a graceful stop: their last acts run under its lease.

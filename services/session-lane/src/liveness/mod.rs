@@ -51,7 +51,7 @@ use crate::ctx::{Ctx, Timing};
 pub(crate) use lease::{Fenced, Lease};
 use probe::Probe;
 use takeover::Evidence;
-pub(crate) use takeover::{depart, forget_pin, record_pin};
+pub(crate) use takeover::{depart, forget_pin, lane_infos, record_pin};
 
 /// The value of a `live.<instance>` key (for operators reading the bucket).
 #[derive(Debug, Serialize, Deserialize)]

@@ -329,10 +329,10 @@ fn lane_pages(
 /// A page of the lane consumers' states that could not be read.
 #[derive(Debug, thiserror::Error)]
 #[error("list the lane consumers: {0}")]
-struct ListError(String);
+pub(crate) struct ListError(String);
 
 /// The state of every consumer on the lane stream, by name ([`lane_pages`], collected).
-async fn lane_infos(
+pub(crate) async fn lane_infos(
     js: &async_nats::jetstream::Context,
 ) -> Result<HashMap<String, Info>, ListError> {
     let mut out = HashMap::new();
