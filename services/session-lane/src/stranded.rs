@@ -48,7 +48,9 @@ pub(crate) async fn run(ctx: Arc<Ctx>, cancel: CancellationToken) {
         }
         match crate::liveness::lane_infos(&ctx.js).await {
             Ok(infos) => seen = sweep(&ctx, &infos, &seen).await,
-            Err(e) => tracing::debug!(error = %e, "sweep for stranded lane items"),
+            Err(e) => {
+                tracing::warn!(error = %e, "sweep for stranded lane items: list the lane consumers")
+            }
         }
     }
 }
@@ -64,6 +66,10 @@ async fn sweep(
         let Some(span) = stranded_span(info) else {
             continue;
         };
+        if !last.contains_key(&info.name) {
+            tracing::info!(consumer = %info.name, ack_floor = span.0, delivered = span.1,
+                "a lane consumer past its ack floor with nothing pending or in flight; moved if still so at the next sweep");
+        }
         if last.get(&info.name) == Some(&span) {
             let Some(session) = subjects::lane_consumer_session(&info.name) else {
                 continue;
