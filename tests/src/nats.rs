@@ -220,8 +220,31 @@ impl NatsServer {
 
     /// SIGSTOPs the server: its connections stay open and nothing is answered until
     /// [`NatsServer::resume`] (a SIGKILL on drop still ends it).
+    /// Returns once every thread of the server is stopped (bounded: 2 s), so nothing sent
+    /// after it is answered.
     pub fn pause(&self) -> anyhow::Result<()> {
-        self.signal(rustix::process::Signal::STOP)
+        self.signal(rustix::process::Signal::STOP)?;
+        let pid = self.pid().context("nats-server is not running")?;
+        let stopped = || {
+            let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))?;
+            let mut all = true;
+            for task in tasks {
+                let stat = std::fs::read_to_string(task?.path().join("stat"))?;
+                // The state follows the command's closing parenthesis.
+                let state = stat.rsplit(')').next().unwrap_or_default().trim_start();
+                all &= state.starts_with('T') || state.starts_with('t');
+            }
+            std::io::Result::Ok(all)
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while !stopped()? {
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not stop within 2 s of SIGSTOP"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Ok(())
     }
 
     pub fn resume(&self) -> anyhow::Result<()> {
