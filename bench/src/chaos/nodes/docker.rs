@@ -90,6 +90,16 @@ fn run_quiet(args: &[&str]) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+/// Whether a Docker engine answers (the Docker tests skip, saying why, where none does).
+#[cfg(test)]
+pub(super) async fn engine_answers() -> bool {
+    let answers = docker(&["info"]).await.is_ok();
+    if !answers {
+        eprintln!("SKIPPED: no Docker engine answers (docker info failed)");
+    }
+    answers
+}
+
 pub(super) async fn docker(args: &[&str]) -> Result<String> {
     let mut command = tokio::process::Command::new("docker");
     command.args(args);
@@ -127,8 +137,7 @@ mod tests {
     /// kept. Skips, saying why, where no Docker engine answers.
     #[tokio::test]
     async fn a_dead_campaigns_project_is_swept_and_a_live_ones_kept() -> Result<()> {
-        if docker(&["info"]).await.is_err() {
-            eprintln!("SKIPPED: no Docker engine answers (docker info failed)");
+        if !engine_answers().await {
             return Ok(());
         }
         ensure_image().await?;

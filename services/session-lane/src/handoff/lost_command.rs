@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::records::{HostRecord, TurnCommand};
+use turnstile_shared::records::TurnCommand;
 use turnstile_shared::{events, subjects, work_queue, HostName, TurnId};
 
 use crate::ctx::Ctx;
@@ -65,9 +65,9 @@ impl<'a> LostCommand<'a> {
         }
     }
 
-    /// Called on each of the wait's ticks with whether the turn is still untaken (its record
-    /// missing or `queued`). Sends the command again when it is due, its host is alive and the
-    /// command is not stored.
+    /// Called on the wait's ticks on which the host heartbeats, with whether the turn is still
+    /// untaken (its record missing or `queued`). Sends the command again when it is due and
+    /// the command is not stored.
     pub async fn check(&mut self, ctx: &Ctx, host: &HostName, turn: &TurnId, untaken: bool) {
         let now = Instant::now();
         if !untaken {
@@ -88,18 +88,14 @@ impl<'a> LostCommand<'a> {
         }
     }
 
-    /// Whether the command is lost: its host heartbeats and it is not stored for it.
-    async fn lost(&self, ctx: &Ctx, host: &HostName, turn: &TurnId) -> Result<bool, LookError> {
-        if ctx
-            .buckets
-            .hosts
-            .get::<HostRecord>(host.as_str())
-            .await?
-            .is_none()
-        {
-            // Gone: the wait fails the turn `transport_unavailable` instead.
-            return Ok(false);
-        }
+    /// Whether the command is lost: not stored for its host (the wait calls this only while
+    /// the host heartbeats; a lapsed one fails the turn instead).
+    async fn lost(
+        &self,
+        ctx: &Ctx,
+        host: &HostName,
+        turn: &TurnId,
+    ) -> Result<bool, work_queue::HoldsError> {
         let stored = work_queue::holds(
             &ctx.js,
             subjects::TRANSPORT_STREAM,
@@ -148,12 +144,4 @@ fn copy_of(command: &Envelope) -> Result<Envelope, turnstile_shared::EnvelopeErr
     Ok(copy
         .envelope()?
         .with_id(format!("{}:again:{}", copy.turn, &tag[..12])))
-}
-
-#[derive(Debug, thiserror::Error)]
-enum LookError {
-    #[error(transparent)]
-    Kv(#[from] turnstile_shared::kv::KvError),
-    #[error(transparent)]
-    Queue(#[from] work_queue::HoldsError),
 }

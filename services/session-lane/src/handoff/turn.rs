@@ -184,11 +184,16 @@ pub(crate) async fn wait_terminal(
                 // A host that stopped heartbeating will not record the outcome: the turn
                 // fails with the named error instead of waiting (R9), and only this host's
                 // sessions are touched.
-                if let Some(rec) = fail_if_host_lapsed(ctx, watch).await {
-                    return Some(rec);
+                let host = host_seen(ctx, watch.host).await;
+                if host == HostSeen::Lapsed {
+                    if let Some(rec) = fail_lapsed(ctx, watch).await {
+                        return Some(rec);
+                    }
                 }
                 // A live host that never took the turn: its command may be lost.
-                if let (Some(lost), Ok(found), true) = (lost.as_mut(), &read, ctx.lease.held()) {
+                if let (Some(lost), Ok(found), HostSeen::Alive, true) =
+                    (lost.as_mut(), &read, host, ctx.lease.held())
+                {
                     let untaken = found.as_ref().is_none_or(|(r, _)| r.state == TurnState::Queued);
                     lost.check(ctx, watch.host, turn, untaken).await;
                 }
@@ -197,25 +202,38 @@ pub(crate) async fn wait_terminal(
     }
 }
 
-/// Fails the turn `transport_unavailable` if its host's heartbeat key has lapsed. A turn with
-/// no record yet (its command not taken) is recorded failed from the one its command carries;
-/// a transport that comes back then finds it ended and types nothing.
-async fn fail_if_host_lapsed(ctx: &Ctx, watch: Watch<'_>) -> Option<TurnRecord> {
-    let Watch {
-        host,
-        turn,
-        unwritten,
-        ..
-    } = watch;
+/// What a host's heartbeat key says on one tick of the wait.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HostSeen {
+    Alive,
+    Lapsed,
+    /// The read failed: nothing is decided on it.
+    Unknown,
+}
+
+async fn host_seen(ctx: &Ctx, host: &turnstile_shared::HostName) -> HostSeen {
     match ctx
         .buckets
         .hosts
         .get::<turnstile_shared::records::HostRecord>(host.as_str())
         .await
     {
-        Ok(Some(_)) | Err(_) => return None,
-        Ok(None) => {}
+        Ok(Some(_)) => HostSeen::Alive,
+        Ok(None) => HostSeen::Lapsed,
+        Err(_) => HostSeen::Unknown,
     }
+}
+
+/// Fails the turn `transport_unavailable`, its host's heartbeat key having lapsed. A turn with
+/// no record yet (its command not taken) is recorded failed from the one its command carries;
+/// a transport that comes back then finds it ended and types nothing.
+async fn fail_lapsed(ctx: &Ctx, watch: Watch<'_>) -> Option<TurnRecord> {
+    let Watch {
+        host,
+        turn,
+        unwritten,
+        ..
+    } = watch;
     let ended_at = Utc::now();
     let ttl = ctx.topology.host_ttl;
     ctx.buckets
