@@ -257,17 +257,17 @@ async fn campaign(
         tokio::time::sleep(pause).await;
     }
     let injected = faults.await.context("fault task")?;
-    supervisor.0.cancel();
-    let restarted = supervisor.1.await.unwrap_or(0);
-    eprintln!(
-        "chaos: the supervisor started {restarted} exited service(s) again during the faults"
-    );
     inject::heal(&stack).await?;
     workload::pause(&client, &crons).await?;
     eprintln!("chaos: faults over; waiting for the stack to go quiet");
     let quiet_from = Instant::now();
     let liveness = quiet(&client, &js, &mock_dir, &trace, &crons).await;
     let liveness_s = quiet_from.elapsed().as_secs_f64();
+    // The supervisor runs to the end, as a deployment's does: a replica that fences itself
+    // as the faults stop (its lease lapsed in the last one) comes back for the liveness wait.
+    supervisor.0.cancel();
+    let restarted = supervisor.1.await.unwrap_or(0);
+    eprintln!("chaos: the supervisor started {restarted} exited service(s) again");
     let history = History::load(&js, &mock_dir, &trace, crons).await?;
     if let Some(png) = &args.png {
         timeline::draw(png, started_at, &history, &injected)?;

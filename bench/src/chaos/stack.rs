@@ -29,6 +29,9 @@ pub const TIMINGS: [(&str, &str); 4] = [
     ("TURNSTILE_HOST_TTL", "3s"),
 ];
 
+/// How long provisioning is tried on a cluster that has just started.
+const PROVISION_BOUND: Duration = Duration::from_secs(90);
+
 pub struct ChaosStack {
     /// The nats nodes (none once torn down).
     nodes: Option<Nodes>,
@@ -169,8 +172,22 @@ impl ChaosStack {
             replicas,
             ..Default::default()
         };
-        turnstile_shared::topology::provision(&js, &topology).await?;
-        Ok(())
+        // A cluster just started may still be electing its JetStream leader: provisioning is
+        // tried again until it works, within a bound, as the deployment's provision step is
+        // (docker-compose.yml: `restart: on-failure`).
+        let deadline = tokio::time::Instant::now() + PROVISION_BOUND;
+        loop {
+            match turnstile_shared::topology::provision(&js, &topology).await {
+                Ok(_) => return Ok(()),
+                Err(e) if tokio::time::Instant::now() < deadline => {
+                    eprintln!("chaos: provision: {e}; trying again");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("provision within {PROVISION_BOUND:?}"))
+                }
+            }
+        }
     }
 
     fn spawn(&mut self, bin: &str, name: &str, args: &[&str]) -> Result<()> {

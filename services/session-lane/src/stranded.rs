@@ -75,7 +75,10 @@ async fn sweep(
                 continue;
             };
             match move_stranded(&ctx.js, &session, span).await {
-                Ok(0) => {}
+                Ok(0) => {
+                    tracing::warn!(%session, ack_floor = span.0, delivered = span.1,
+                    "a lane consumer past its ack floor with nothing pending or in flight, but no item of its lane stored between: nothing moved")
+                }
                 Ok(moved) => {
                     tracing::warn!(%session, moved, ack_floor = span.0, delivered = span.1,
                     "a lane consumer past items it never handed out: they are published again at the end of the lane")

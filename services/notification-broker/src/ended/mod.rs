@@ -12,10 +12,10 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use turnstile_shared::arming::{self, Trust};
-use turnstile_shared::delivery::{self, Completion};
+use turnstile_shared::arming;
+use turnstile_shared::delivery;
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events::{self, session_event, EventKind};
+use turnstile_shared::events::{self, EventKind};
 use turnstile_shared::execution::{exec_reason, ExecKind, ExecStatus, ExecutionRecord};
 use turnstile_shared::kv::Change;
 use turnstile_shared::step_api::{step_kind, Ended};
@@ -27,6 +27,8 @@ mod armed;
 mod attempts;
 mod early;
 mod inline;
+mod plan;
+mod route;
 use crate::ctx::Ctx;
 use crate::step_events::step_envelope;
 pub(crate) use armed::ArmedSessions;
@@ -216,7 +218,7 @@ async fn finish_end(
     let mut acks = Vec::new();
     let mut step_event = Some(step_envelope(&record, k)?);
     if delivery::routes_completions(&record) {
-        route(ctx, &record, wrote, &mut acks, early, &mut step_event).await?;
+        route::route(ctx, &record, wrote, &mut acks, early, &mut step_event).await?;
     }
     if let Some(ev) = step_event {
         acks.push(send(ctx, &ev).await?);
@@ -287,183 +289,4 @@ async fn release(ctx: &Ctx, owed: Vec<Owed>) {
             tracing::warn!(session = %target, error = %e, "publish the item of an armed delivery; its marker is checked against the lane once it is older than the trust window");
         }
     }
-}
-
-/// One completion per target session (owner, then watchers; R8), then a delivery armed for
-/// each. Both are idempotent, so a redelivered end repeats them harmlessly. An end routed
-/// ahead ([`Early`]) has its completion stored and its item out already (the item is this
-/// delivery's if the marker's create succeeded, an extra one otherwise). Otherwise the
-/// completion's store goes out now; beside it, the target's marker create is awaited (made
-/// ahead, beside the end's write, when the reporter's record named the targets) and, when
-/// this end created the marker and `wrote` the end, the lane item is published naming the
-/// execution (`first`). The item may so reach the lane before the completion is stored: the
-/// delivery waits for the completion it names ([`arming::FIRST_WAIT`]), and a store slower
-/// than half that wait arms again in case the delivery gave up on it first. A repeat of an
-/// end already recorded publishes its item only once the completion is stored, naming
-/// nothing: its completion may be handed over already, and a delivery waiting for it would
-/// hold the lane for nothing. The target session's read is waited for last: a stopped
-/// target's item is taken back.
-async fn route(
-    ctx: &Ctx,
-    record: &ExecutionRecord,
-    wrote: bool,
-    acks: &mut Vec<Ack>,
-    early: &mut Early,
-    step_event: &mut Option<Envelope>,
-) -> Result<(), EndError> {
-    let completion = Completion::of(record);
-    for target in record.targets() {
-        let began = std::time::Instant::now();
-        let sent = early.sent(&target);
-        let stored_ahead = sent
-            .as_ref()
-            .filter(|s| s.stored.is_ok())
-            .map(|s| s.store_took);
-        let sent_ahead = sent.as_ref().is_some_and(|s| matches!(s.item, Some(Ok(_))));
-        let store = async {
-            if stored_ahead.is_some() {
-                return Ok(());
-            }
-            early::store_completion(ctx, &target, &completion).await
-        };
-        let decide = async {
-            let a = early.take(&target).await;
-            let created = a.created?.map(|rev| (a.marker, rev));
-            let mut published = None;
-            // An item that went out ahead beside a create that found a delivery armed.
-            let mut extra = None;
-            match sent.and_then(|s| s.item) {
-                Some(Ok(seq)) if created.is_some() => published = Some(seq),
-                Some(Ok(seq)) => extra = Some(seq),
-                Some(Err(e)) => {
-                    tracing::debug!(execution = %record.id, session = %target, error = %e, "lane item sent ahead failed; publishing it now");
-                }
-                None => {}
-            }
-            if let (true, None, Some((marker, rev))) = (wrote, published, &created) {
-                let seq =
-                    arming::publish_item(&ctx.js, &target, marker, *rev, Some(&record.id)).await?;
-                published = Some(seq);
-            }
-            if published.is_some() {
-                // Its item is out: the marker is in use.
-                early.paid(&target);
-            }
-            let active = a.active.await??.is_some_and(|(s, _)| s.is_active());
-            Ok::<_, EndError>((active, created, published, extra))
-        };
-        let (stored, decided) = tokio::join!(store, decide);
-        let (active, created, published, extra) = decided?;
-        stored?;
-        // How long the delivery may have waited for what it names: for an item sent ahead,
-        // since the end's write and the sends beside it went out (its completion, or its end
-        // in the registry, may have come late); otherwise since the store here.
-        let store_took = match (sent_ahead, stored_ahead) {
-            (true, _) => early.since_sent(),
-            (false, Some(took)) => took,
-            (false, None) => began.elapsed(),
-        };
-        if !active {
-            // Kept on TS_COMPLETION for operators; nothing will hand it over.
-            early.paid(&target);
-            for seq in published.into_iter().chain(extra) {
-                arming::take_back_item(&ctx.js, &target, seq).await?;
-            }
-            let claimed = match created {
-                Some(c) => Some(c),
-                None => {
-                    arming::claim(
-                        &ctx.js,
-                        &ctx.buckets.deliveries,
-                        &target,
-                        Trust::OnlyTheLane,
-                    )
-                    .await?
-                }
-            };
-            if let Some((m, rev)) = claimed {
-                ctx.buckets
-                    .deliveries
-                    .remove_revision(target.as_str(), rev)
-                    .await?;
-                tracing::info!(execution = %record.id, session = %target, delivery = %m.delivery, "target session stopped; completion kept, not delivered");
-            }
-            continue;
-        }
-        let claimed = match created {
-            Some((marker, rev)) if published.is_none() => {
-                // A repeat: its item after the store, naming nothing.
-                arming::publish_item(&ctx.js, &target, &marker, rev, None).await?;
-                Some((marker, rev))
-            }
-            Some(c) => {
-                if store_took >= arming::FIRST_WAIT / 2 {
-                    // Stored late: its delivery may have stopped waiting for it and cleared
-                    // the marker; if so a new one is armed (else the marker stands).
-                    tracing::info!(execution = %record.id, session = %target, "completion stored late; arming again in case its delivery went without it");
-                    if let Some(d) = arming::arm(&ctx.js, &ctx.buckets.deliveries, &target).await? {
-                        acks.push(send(ctx, &queued_event(&target, &d)?).await?);
-                    }
-                }
-                Some(c)
-            }
-            // A delivery was armed already: decided again now that the completion is stored,
-            // so one taken by the lane meanwhile cannot have missed it. The completion is
-            // stored before this item goes out: it names nothing to wait for.
-            None => {
-                // A first recording trusts a young marker's router; a repeat trusts only the
-                // lane (it may be the last one able to publish that marker's item).
-                let trust = if wrote {
-                    Trust::YoungMarkers
-                } else {
-                    Trust::OnlyTheLane
-                };
-                let claimed =
-                    arming::claim(&ctx.js, &ctx.buckets.deliveries, &target, trust).await?;
-                if let Some((marker, rev)) = &claimed {
-                    arming::publish_item(&ctx.js, &target, marker, *rev, None).await?;
-                }
-                claimed
-            }
-        };
-        early.paid(&target);
-        if let Some(ev) = step_event.take() {
-            acks.push(send(ctx, &ev).await?);
-        }
-        let role = if record.owner.as_ref() == Some(&target) {
-            "owner"
-        } else {
-            "watcher"
-        };
-        turnstile_shared::metrics::metrics()
-            .completions_routed
-            .get_or_create(&turnstile_shared::metrics::RoleLabel { role })
-            .inc();
-        let ev = session_event(
-            EventKind::CompletionRouted,
-            &target,
-            None,
-            &json!({ "execution": record.id, "name": record.name, "status": record.status.name(), "role": role }),
-        )?
-        .with_id(format!("{}:{target}:routed", record.id));
-        acks.push(send(ctx, &ev).await?);
-        if let Some((marker, _)) = claimed {
-            acks.push(send(ctx, &queued_event(&target, &marker.delivery)?).await?);
-        }
-    }
-    Ok(())
-}
-
-/// `delivery.queued` for a delivery armed on `target`'s lane.
-fn queued_event(
-    target: &turnstile_shared::SessionId,
-    delivery: &turnstile_shared::DeliveryId,
-) -> Result<Envelope, EndError> {
-    Ok(session_event(
-        EventKind::DeliveryQueued,
-        target,
-        None,
-        &json!({ "delivery": delivery }),
-    )?
-    .with_id(format!("{delivery}:queued")))
 }
