@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use turnstile_shared::arming;
 use turnstile_shared::delivery;
 use turnstile_shared::envelope::Envelope;
-use turnstile_shared::events::{self, EventKind};
+use turnstile_shared::events::EventKind;
 use turnstile_shared::execution::{exec_reason, ExecKind, ExecStatus, ExecutionRecord};
 use turnstile_shared::kv::Change;
 use turnstile_shared::step_api::{step_kind, Ended};
@@ -29,11 +29,13 @@ mod early;
 mod inline;
 mod plan;
 mod route;
+mod sent;
 use crate::ctx::Ctx;
 use crate::step_events::step_envelope;
 pub(crate) use armed::ArmedSessions;
 pub(crate) use attempts::Inline;
 use early::{Early, Ending, Owed};
+use sent::{send, EndError};
 
 pub(crate) async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     consume::until_shutdown("ended queue", &shutdown, || consume(&ctx, &shutdown)).await
@@ -103,22 +105,6 @@ async fn handle(ctx: &Arc<Ctx>, msg: jetstream::Message) {
                 .await;
         }
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum EndError {
-    #[error(transparent)]
-    Kv(#[from] turnstile_shared::kv::KvError),
-    #[error(transparent)]
-    Registry(#[from] registry::RegistryError),
-    #[error(transparent)]
-    Publish(#[from] events::PublishError),
-    #[error(transparent)]
-    Envelope(#[from] turnstile_shared::EnvelopeError),
-    #[error(transparent)]
-    Arm(#[from] arming::ArmError),
-    #[error("read of a target session: {0}")]
-    Task(#[from] tokio::task::JoinError),
 }
 
 /// Records an end and routes it. `ahead`: the end is a worker's report this replica took,
@@ -238,13 +224,6 @@ async fn finish_end(
     )
     .await;
     Ok(())
-}
-
-type Ack =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), events::PublishError>> + Send>>;
-
-async fn send(ctx: &Ctx, env: &Envelope) -> Result<Ack, EndError> {
-    Ok(Box::pin(events::send(&ctx.js, env).await?))
 }
 
 /// `turnstile_steps_ended`, once per recorded end (a repeated end keeps the record as it was).

@@ -27,7 +27,7 @@ use turnstile_shared::SessionId;
 
 use super::early::{self, Early};
 use super::plan::{self, Known, TargetPlan};
-use super::{send, Ack, EndError};
+use super::sent::{send, Ack, EndError};
 use crate::ctx::Ctx;
 
 /// What routing learnt of one target before deciding.
