@@ -2,27 +2,36 @@
 //!
 //! Found by the fault campaign on docker-compose.yml's cluster profile (60 min, nodes killed,
 //! paused, cut off and their disks filled): one session's lane consumer said it had delivered
-//! up to stream sequence 10,101, its ack floor stood at 10,073, and it counted nothing pending
-//! and nothing in flight, while the lane's items between the two were still stored: 70 runs
-//! and 7 turns queued for ever behind a consumer that would never hand them out. A consumer
-//! leader that did not learn of some deliveries (a known nats-server defect after leader
-//! changes: the delivered position moves ahead of messages never acknowledged) leaves a
-//! consumer in that state, and nothing on the client side can make it deliver them again.
+//! up to stream sequence 10,101 and counted nothing pending and nothing in flight, while lane
+//! items of its session at lower sequences were still stored: 70 runs and 7 turns queued for
+//! ever behind a consumer that would never hand them out. A consumer leader that did not learn
+//! of some deliveries (a known nats-server defect after leader changes: the delivered position
+//! moves ahead of messages never acknowledged) leaves a consumer in that state, and nothing on
+//! the client side can make it deliver them again.
 //!
-//! So every replica sweeps the lane consumers every [`EVERY`]: a consumer with nothing pending
-//! and nothing in flight whose delivered position is past its ack floor (a lane has at most
-//! one item in flight, so a consistent one has the two equal) is a candidate; seen so in two
-//! sweeps running (the same positions), the items stored between the two positions are
-//! published again at the end of the lane, in order, and the originals deleted. Each copy has
-//! a message id derived from the original's sequence, so replicas sweeping at once store it
-//! once. A copy is an item like any other: the lane's handlers serve an item from the records
-//! (R14), so an item that was done after all is only finished again.
+//! What tells such a lane: its consumer is idle (nothing pending, nothing in flight) while an
+//! item of its subject is stored at or below the consumer's delivered position. A consistent
+//! lane has none: each item is removed right behind its ack. (The ack floor does not tell: on
+//! a stream shared by every lane an idle consumer's delivered position follows the stream's end
+//! while its floor stays at its last ack; a first version of this sweep keyed on the gap and
+//! never acted, because the delivered position kept moving.)
+//!
+//! So every replica sweeps every [`EVERY`]: one stream info lists the lane subjects that hold
+//! items (idle lanes hold none), one consumer list gives each lane's state, and an idle
+//! consumer whose subject holds an item at or below its delivered position is a candidate,
+//! keyed by that first item's sequence. Seen so in two sweeps running (the same first item),
+//! the items stored from it up to the delivered position are published again at the end of
+//! the lane, in order, and the originals deleted. Each copy has a message id derived from the
+//! original's sequence, so replicas sweeping at once store it once. A copy is an item like any
+//! other: the lane's handlers serve an item from the records (R14), so an item that was done
+//! after all (acked, its removal lost) is only finished again.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::Info, stream::DirectGetErrorKind};
+use futures::TryStreamExt;
 use tokio_util::sync::CancellationToken;
 use turnstile_shared::{subjects, SessionId};
 
@@ -36,7 +45,7 @@ const MOST: usize = 1_000;
 
 /// Sweeps until `cancel`.
 pub(crate) async fn run(ctx: Arc<Ctx>, cancel: CancellationToken) {
-    let mut seen: HashMap<String, (u64, u64)> = HashMap::new();
+    let mut seen: HashMap<String, u64> = HashMap::new();
     loop {
         tokio::select! {
             biased;
@@ -46,68 +55,110 @@ pub(crate) async fn run(ctx: Arc<Ctx>, cancel: CancellationToken) {
         if !ctx.lease.held() {
             continue;
         }
-        match crate::liveness::lane_infos(&ctx.js).await {
-            Ok(infos) => seen = sweep(&ctx, &infos, &seen).await,
-            Err(e) => {
-                tracing::warn!(error = %e, "sweep for stranded lane items: list the lane consumers")
-            }
+        match look(&ctx.js).await {
+            Ok((stored, infos)) => seen = sweep(&ctx.js, &stored, &infos, &seen).await,
+            Err(e) => tracing::warn!(error = %e, "sweep for stranded lane items"),
         }
     }
 }
 
-/// One sweep: the candidates of this sweep, those also seen last time repaired.
-async fn sweep(
-    ctx: &Ctx,
+/// The lane subjects holding items, then every lane consumer's state (in that order: an item
+/// stored after the list is above its consumer's delivered position, and so no candidate).
+pub(crate) async fn look(
+    js: &jetstream::Context,
+) -> Result<(HashSet<String>, HashMap<String, Info>), StrandedError> {
+    let failed = |what| move |e: async_nats::Error| StrandedError { what, source: e };
+    let stream = js
+        .get_stream_no_info(subjects::LANE_STREAM)
+        .await
+        .map_err(|e| failed("read the lane stream")(e.into()))?;
+    let stored: HashSet<String> = stream
+        .info_with_subjects(subjects::LANE_ALL)
+        .await
+        .map_err(|e| failed("list the lane subjects holding items")(e.into()))?
+        .map_ok(|(subject, _)| subject)
+        .try_collect()
+        .await
+        .map_err(|e| failed("list the lane subjects holding items")(e.into()))?;
+    let infos = crate::liveness::lane_infos(js)
+        .await
+        .map_err(|e| failed("list the lane consumers")(e.into()))?;
+    Ok((stored, infos))
+}
+
+/// One sweep: the candidates of this sweep, by consumer, with their first stranded item;
+/// those seen with the same item last time are moved.
+pub(crate) async fn sweep(
+    js: &jetstream::Context,
+    stored: &HashSet<String>,
     infos: &HashMap<String, Info>,
-    last: &HashMap<String, (u64, u64)>,
-) -> HashMap<String, (u64, u64)> {
+    last: &HashMap<String, u64>,
+) -> HashMap<String, u64> {
     let mut now = HashMap::new();
     for info in infos.values() {
-        let Some(span) = stranded_span(info) else {
+        let Some(session) = subjects::lane_consumer_session(&info.name) else {
             continue;
         };
-        if !last.contains_key(&info.name) {
-            tracing::info!(consumer = %info.name, ack_floor = span.0, delivered = span.1,
-                "a lane consumer past its ack floor with nothing pending or in flight; moved if still so at the next sweep");
+        if !idle(info) || !stored.contains(&subjects::lane(&session)) {
+            continue;
         }
-        if last.get(&info.name) == Some(&span) {
-            let Some(session) = subjects::lane_consumer_session(&info.name) else {
+        let delivered = info.delivered.stream_sequence;
+        let first = match first_item(js, &session).await {
+            Ok(Some(seq)) if seq <= delivered => seq,
+            Ok(_) => continue,
+            Err(e) => {
+                tracing::warn!(%session, error = %e, "sweep for stranded lane items");
                 continue;
-            };
-            match move_stranded(&ctx.js, &session, span).await {
-                Ok(0) => {
-                    tracing::warn!(%session, ack_floor = span.0, delivered = span.1,
-                    "a lane consumer past its ack floor with nothing pending or in flight, but no item of its lane stored between: nothing moved")
-                }
+            }
+        };
+        if last.get(&info.name) == Some(&first) {
+            match move_stranded(js, &session, (first, delivered)).await {
                 Ok(moved) => {
-                    tracing::warn!(%session, moved, ack_floor = span.0, delivered = span.1,
+                    tracing::warn!(%session, moved, first, delivered,
                     "a lane consumer past items it never handed out: they are published again at the end of the lane")
                 }
                 Err(e) => tracing::warn!(%session, error = %e, "move a lane's stranded items"),
             }
+        } else {
+            tracing::info!(%session, first, delivered,
+                "an idle lane consumer past an item of its lane still stored; moved if still so at the next sweep");
+            now.insert(info.name.clone(), first);
         }
-        now.insert(info.name.clone(), span);
     }
     now
 }
 
-/// `(ack floor, delivered)` stream sequences of a consumer that is past items it may never
-/// hand out: nothing pending, nothing in flight, delivered past the ack floor.
-pub(crate) fn stranded_span(info: &Info) -> Option<(u64, u64)> {
-    let (floor, delivered) = (
-        info.ack_floor.stream_sequence,
-        info.delivered.stream_sequence,
-    );
-    (info.num_pending == 0 && info.num_ack_pending == 0 && delivered > floor)
-        .then_some((floor, delivered))
+/// Nothing to hand out and nothing in flight.
+pub(crate) fn idle(info: &Info) -> bool {
+    info.num_pending == 0 && info.num_ack_pending == 0
 }
 
-/// Publishes the lane's items stored in `(floor, delivered]` again at the end of the lane, in
+/// The sequence of the first item stored on a session's lane, if any.
+async fn first_item(
+    js: &jetstream::Context,
+    session: &SessionId,
+) -> Result<Option<u64>, StrandedError> {
+    let failed = |what| move |e: async_nats::Error| StrandedError { what, source: e };
+    let stream = js
+        .get_stream_no_info(subjects::LANE_STREAM)
+        .await
+        .map_err(|e| failed("read the lane stream")(e.into()))?;
+    match stream
+        .direct_get_next_for_subject(subjects::lane(session).as_str(), Some(1))
+        .await
+    {
+        Ok(m) => Ok(Some(m.sequence)),
+        Err(e) if e.kind() == DirectGetErrorKind::NotFound => Ok(None),
+        Err(e) => Err(failed("read a stored item")(e.into())),
+    }
+}
+
+/// Publishes the lane's items stored in `[first, delivered]` again at the end of the lane, in
 /// order, and deletes the originals. Returns how many it moved.
 pub(crate) async fn move_stranded(
     js: &jetstream::Context,
     session: &SessionId,
-    (floor, delivered): (u64, u64),
+    (first, delivered): (u64, u64),
 ) -> Result<usize, StrandedError> {
     let failed = |what| move |e: async_nats::Error| StrandedError { what, source: e };
     let stream = js
@@ -115,7 +166,7 @@ pub(crate) async fn move_stranded(
         .await
         .map_err(|e| failed("read the lane stream")(e.into()))?;
     let subject = subjects::lane(session);
-    let mut seq = floor + 1;
+    let mut seq = first;
     let mut moved = 0;
     while moved < MOST && seq <= delivered {
         let msg = match stream
@@ -146,7 +197,7 @@ pub(crate) async fn move_stranded(
     Ok(moved)
 }
 
-/// A step of moving a lane's stranded items that failed.
+/// A step of the sweep or the move that failed.
 #[derive(Debug, thiserror::Error)]
 #[error("{what}: {source}")]
 pub(crate) struct StrandedError {
@@ -157,44 +208,10 @@ pub(crate) struct StrandedError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
+    use futures::StreamExt;
 
-    fn info(pending: u64, ack_pending: usize, floor: u64, delivered: u64) -> Info {
-        let now = chrono::Utc::now().to_rfc3339();
-        serde_json::from_value(serde_json::json!({
-            "type": "io.nats.jetstream.api.v1.consumer_info_response",
-            "stream_name": subjects::LANE_STREAM,
-            "name": "lane_x",
-            "created": now,
-            "config": {"durable_name": "lane_x", "ack_policy": "explicit", "deliver_policy": "all", "replay_policy": "instant"},
-            "delivered": {"consumer_seq": 9, "stream_seq": delivered},
-            "ack_floor": {"consumer_seq": 9, "stream_seq": floor},
-            "num_ack_pending": ack_pending,
-            "num_redelivered": 0,
-            "num_waiting": 1,
-            "num_pending": pending,
-        }))
-        .unwrap_or_else(|e| panic!("a consumer info: {e}"))
-    }
-
-    #[test]
-    fn only_a_consumer_past_its_ack_floor_with_nothing_pending_or_in_flight_is_stranded() {
-        assert_eq!(stranded_span(&info(0, 0, 73, 101)), Some((73, 101)));
-        assert_eq!(stranded_span(&info(0, 0, 101, 101)), None, "consistent");
-        assert_eq!(stranded_span(&info(0, 1, 100, 101)), None, "one in flight");
-        assert_eq!(
-            stranded_span(&info(2, 0, 73, 101)),
-            None,
-            "items to hand out"
-        );
-    }
-
-    /// The items between the two positions go to the end of the lane in order, the originals
-    /// are deleted, items outside the span stay, and a second sweep's copy is stored once.
-    #[tokio::test]
-    async fn stranded_items_are_published_again_in_order_and_the_originals_deleted(
-    ) -> anyhow::Result<()> {
-        let server = turnstile_tests::NatsServer::start().await?;
-        let js = async_nats::jetstream::new(server.client().await?);
+    async fn lane_stream(js: &jetstream::Context) -> anyhow::Result<()> {
         js.create_stream(jetstream::stream::Config {
             name: subjects::LANE_STREAM.into(),
             subjects: vec![subjects::LANE_ALL.into()],
@@ -202,6 +219,121 @@ mod tests {
             ..Default::default()
         })
         .await?;
+        Ok(())
+    }
+
+    /// A lane consumer made past `start`: the state the campaign found (items stored below
+    /// the consumer's position, never to be handed out), which the server cannot be led into
+    /// on purpose otherwise.
+    async fn consumer_from(
+        js: &jetstream::Context,
+        session: &SessionId,
+        start: u64,
+    ) -> anyhow::Result<jetstream::consumer::Consumer<pull::Config>> {
+        let stream = js.get_stream(subjects::LANE_STREAM).await?;
+        Ok(stream
+            .create_consumer(pull::Config {
+                durable_name: Some(subjects::lane_consumer(session)),
+                filter_subject: subjects::lane(session),
+                ack_policy: AckPolicy::Explicit,
+                deliver_policy: DeliverPolicy::ByStartSequence {
+                    start_sequence: start,
+                },
+                ..Default::default()
+            })
+            .await?)
+    }
+
+    /// Takes the next item, acks it and removes it, as a lane's handler does.
+    async fn serve_one(
+        js: &jetstream::Context,
+        consumer: &jetstream::consumer::Consumer<pull::Config>,
+    ) -> anyhow::Result<(u64, String)> {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_secs(5))
+            .messages()
+            .await?;
+        let msg = batch
+            .next()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("no item handed out"))?
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let seq = msg
+            .info()
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .stream_sequence;
+        msg.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        js.get_stream(subjects::LANE_STREAM)
+            .await?
+            .delete_message(seq)
+            .await?;
+        Ok((seq, String::from_utf8_lossy(&msg.payload).into_owned()))
+    }
+
+    /// An idle lane consumer past items of its lane still stored is found, kept a sweep, then
+    /// its items are published again in order and handed out; a consistent idle lane, whose
+    /// delivered position moved past other lanes' items, is left alone.
+    #[tokio::test]
+    async fn an_idle_lane_past_its_stored_items_has_them_handed_out_again_in_order(
+    ) -> anyhow::Result<()> {
+        let server = turnstile_tests::NatsServer::start().await?;
+        let js = async_nats::jetstream::new(server.client().await?);
+        lane_stream(&js).await?;
+        let (stuck, fine) = (SessionId::new(), SessionId::new());
+        for i in 1..=4 {
+            js.publish(subjects::lane(&stuck), format!("item {i}").into())
+                .await?
+                .await?;
+        }
+        // Items 1-3 behind a consumer that starts at 4 and serves it.
+        let stuck_consumer = consumer_from(&js, &stuck, 4).await?;
+        assert_eq!(serve_one(&js, &stuck_consumer).await?.1, "item 4");
+        // A consistent lane: its item served and removed, then other lanes' items stored
+        // after it (its delivered position follows them; its ack floor does not).
+        js.publish(subjects::lane(&fine), "fine 1".into())
+            .await?
+            .await?;
+        let fine_consumer = consumer_from(&js, &fine, 1).await?;
+        assert_eq!(serve_one(&js, &fine_consumer).await?.1, "fine 1");
+        js.publish(subjects::lane(&SessionId::new()), "other".into())
+            .await?
+            .await?;
+
+        let (stored, infos) = look(&js).await?;
+        let first = sweep(&js, &stored, &infos, &HashMap::new()).await;
+        assert_eq!(
+            first,
+            HashMap::from([(subjects::lane_consumer(&stuck), 1)]),
+            "only the stuck lane is a candidate"
+        );
+        let (stored, infos) = look(&js).await?;
+        let second = sweep(&js, &stored, &infos, &first).await;
+        assert!(
+            second.is_empty(),
+            "moved, no longer a candidate: {second:?}"
+        );
+
+        let mut handed = Vec::new();
+        for _ in 0..3 {
+            handed.push(serve_one(&js, &stuck_consumer).await?.1);
+        }
+        assert_eq!(handed, ["item 1", "item 2", "item 3"]);
+        let (stored, infos) = look(&js).await?;
+        assert!(
+            sweep(&js, &stored, &infos, &second).await.is_empty(),
+            "nothing stranded once they are served"
+        );
+        Ok(())
+    }
+
+    /// A second sweep's copy is stored once (replicas race on the same lane).
+    #[tokio::test]
+    async fn stranded_items_are_moved_once() -> anyhow::Result<()> {
+        let server = turnstile_tests::NatsServer::start().await?;
+        let js = async_nats::jetstream::new(server.client().await?);
+        lane_stream(&js).await?;
         let session = SessionId::new();
         let lane = subjects::lane(&session);
         for i in 1..=4 {
@@ -209,9 +341,8 @@ mod tests {
                 .await?
                 .await?;
         }
-        // Items 2 and 3 stranded between a floor of 1 and a delivered position of 3.
-        assert_eq!(move_stranded(&js, &session, (1, 3)).await?, 2);
-        assert_eq!(move_stranded(&js, &session, (1, 3)).await?, 0, "moved once");
+        assert_eq!(move_stranded(&js, &session, (2, 3)).await?, 2);
+        assert_eq!(move_stranded(&js, &session, (2, 3)).await?, 0, "moved once");
         let stream = js.get_stream(subjects::LANE_STREAM).await?;
         let mut left = Vec::new();
         let mut seq = 1;
