@@ -10,8 +10,10 @@
 //! - `api`: the request/reply APIs: `api/sessions/` (`ts.api.session.*`, a file per concern)
 //!   and `api/runs.rs` (`ts.api.runs.*`). Calls `handoff`, `lane` (run events), `orphan_runs`,
 //!   `ctx`.
-//! - `stranded`: the repair of a lane consumer gone past items it never handed out (its items
-//!   published again at the lane's end).
+//! - `sweep`: every 30 s, the repair of the two lane states no event ends: a lane consumer
+//!   gone past items it never handed out (`sweep/stranded.rs`: the items published again at
+//!   the lane's end), and completions waiting on an idle lane with no delivery armed
+//!   (`sweep/unarmed.rs`: one armed). Calls `handoff` (arming), `liveness`, `ctx`.
 //! - `orphan_runs`: the backstop that publishes again the lane item of a run queued with none,
 //!   and ends a run queued on a stopped session. Calls `lane` (run events), `ctx`,
 //!   `bucket_watch`.
@@ -45,8 +47,8 @@ mod lane;
 mod liveness;
 mod orphan_runs;
 mod placement;
-mod stranded;
 mod supervisor;
+mod sweep;
 mod turn_watch;
 
 use std::sync::Arc;
@@ -193,7 +195,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         config.orphan_run_after,
         stop.child_token(),
     ));
-    tokio::spawn(stranded::run(ctx.clone(), stop.child_token()));
+    tokio::spawn(sweep::run(ctx.clone(), stop.child_token()));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");
 
     // Liveness outlives the lanes on a graceful stop: their last acts run under its lease.

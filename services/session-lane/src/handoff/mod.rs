@@ -26,6 +26,6 @@ pub(crate) use completions::{
     collect, collect_expecting, disarm_and_recheck, keep_standby, settle, DeliveryError, Expected,
 };
 pub(crate) use item::{acked, reject, release, remove_item, retry_later};
-pub(crate) use rearm::{pending_completions, rearm_if_pending};
+pub(crate) use rearm::{arm_for_waiting, pending_completions, rearm_if_pending};
 pub(crate) use standby::Standbys;
 pub(crate) use turn::{dispatch, finish, outcome_event, tell_end, wait_terminal, Watch};

@@ -6,12 +6,18 @@ use async_nats::jetstream;
 use serde_json::json;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::kv::Bucket;
-use turnstile_shared::{subjects, ExecutionId, SessionId};
+use turnstile_shared::{subjects, DeliveryId, ExecutionId, SessionId};
 
 use crate::ctx::Ctx;
 
 pub(super) async fn arm(ctx: &Ctx, session: &SessionId, first: Option<&ExecutionId>) {
-    arm_with(&ctx.js, &ctx.buckets.deliveries, session, first).await
+    arm_with(&ctx.js, &ctx.buckets.deliveries, session, first).await;
+}
+
+/// Arms a delivery for completions the sweep found waiting on an idle lane with none on its
+/// way (`crate::sweep`). Returns the delivery armed, if a new one was.
+pub(crate) async fn arm_for_waiting(ctx: &Ctx, session: &SessionId) -> Option<DeliveryId> {
+    arm_with(&ctx.js, &ctx.buckets.deliveries, session, None).await
 }
 
 async fn arm_with(
@@ -19,7 +25,7 @@ async fn arm_with(
     deliveries: &Bucket,
     session: &SessionId,
     first: Option<&ExecutionId>,
-) {
+) -> Option<DeliveryId> {
     match turnstile_shared::arming::arm_naming(js, deliveries, session, first).await {
         Ok(Some(d)) => {
             if let Ok(ev) = session_event(
@@ -30,9 +36,13 @@ async fn arm_with(
             ) {
                 let _ = events::publish(js, &ev.with_id(format!("{d}:queued"))).await;
             }
+            Some(d)
         }
-        Ok(None) => {}
-        Err(e) => tracing::warn!(%session, error = %e, "arm delivery"),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!(%session, error = %e, "arm delivery");
+            None
+        }
     }
 }
 

@@ -16,8 +16,8 @@
 //! while its floor stays at its last ack; a first version of this sweep keyed on the gap and
 //! never acted, because the delivered position kept moving.)
 //!
-//! So every replica sweeps every [`EVERY`]: one stream info lists the lane subjects that hold
-//! items (idle lanes hold none), one consumer list gives each lane's state, and an idle
+//! So on each sweep ([`super`]: one stream info lists the lane subjects that hold items, idle
+//! lanes holding none, and one consumer list gives each lane's state) an idle
 //! consumer whose subject holds an item at or below its delivered position is a candidate,
 //! keyed by that first item's sequence. Seen so in two sweeps running (the same first item),
 //! the items stored from it up to the delivered position are published again at the end of
@@ -27,68 +27,18 @@
 //! after all (acked, its removal lost) is only finished again.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
-use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::Info, stream::DirectGetErrorKind};
-use futures::TryStreamExt;
-use tokio_util::sync::CancellationToken;
 use turnstile_shared::{subjects, SessionId};
 
-use crate::ctx::Ctx;
-
-/// How often the lane consumers are swept.
-const EVERY: Duration = Duration::from_secs(30);
+use super::look::{idle, SweepError};
 
 /// Items moved at most per lane and sweep.
 const MOST: usize = 1_000;
 
-/// Sweeps until `cancel`.
-pub(crate) async fn run(ctx: Arc<Ctx>, cancel: CancellationToken) {
-    let mut seen: HashMap<String, u64> = HashMap::new();
-    loop {
-        tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(EVERY) => {}
-        }
-        if !ctx.lease.held() {
-            continue;
-        }
-        match look(&ctx.js).await {
-            Ok((stored, infos)) => seen = sweep(&ctx.js, &stored, &infos, &seen).await,
-            Err(e) => tracing::warn!(error = %e, "sweep for stranded lane items"),
-        }
-    }
-}
-
-/// The lane subjects holding items, then every lane consumer's state (in that order: an item
-/// stored after the list is above its consumer's delivered position, and so no candidate).
-pub(crate) async fn look(
-    js: &jetstream::Context,
-) -> Result<(HashSet<String>, HashMap<String, Info>), StrandedError> {
-    let failed = |what| move |e: async_nats::Error| StrandedError { what, source: e };
-    let stream = js
-        .get_stream_no_info(subjects::LANE_STREAM)
-        .await
-        .map_err(|e| failed("read the lane stream")(e.into()))?;
-    let stored: HashSet<String> = stream
-        .info_with_subjects(subjects::LANE_ALL)
-        .await
-        .map_err(|e| failed("list the lane subjects holding items")(e.into()))?
-        .map_ok(|(subject, _)| subject)
-        .try_collect()
-        .await
-        .map_err(|e| failed("list the lane subjects holding items")(e.into()))?;
-    let infos = crate::liveness::lane_infos(js)
-        .await
-        .map_err(|e| failed("list the lane consumers")(e.into()))?;
-    Ok((stored, infos))
-}
-
 /// One sweep: the candidates of this sweep, by consumer, with their first stranded item;
 /// those seen with the same item last time are moved.
-pub(crate) async fn sweep(
+pub(super) async fn sweep(
     js: &jetstream::Context,
     stored: &HashSet<String>,
     infos: &HashMap<String, Info>,
@@ -128,17 +78,12 @@ pub(crate) async fn sweep(
     now
 }
 
-/// Nothing to hand out and nothing in flight.
-pub(crate) fn idle(info: &Info) -> bool {
-    info.num_pending == 0 && info.num_ack_pending == 0
-}
-
 /// The sequence of the first item stored on a session's lane, if any.
 async fn first_item(
     js: &jetstream::Context,
     session: &SessionId,
-) -> Result<Option<u64>, StrandedError> {
-    let failed = |what| move |e: async_nats::Error| StrandedError { what, source: e };
+) -> Result<Option<u64>, SweepError> {
+    let failed = SweepError::at;
     let stream = js
         .get_stream_no_info(subjects::LANE_STREAM)
         .await
@@ -155,12 +100,12 @@ async fn first_item(
 
 /// Publishes the lane's items stored in `[first, delivered]` again at the end of the lane, in
 /// order, and deletes the originals. Returns how many it moved.
-pub(crate) async fn move_stranded(
+pub(super) async fn move_stranded(
     js: &jetstream::Context,
     session: &SessionId,
     (first, delivered): (u64, u64),
-) -> Result<usize, StrandedError> {
-    let failed = |what| move |e: async_nats::Error| StrandedError { what, source: e };
+) -> Result<usize, SweepError> {
+    let failed = SweepError::at;
     let stream = js
         .get_stream_no_info(subjects::LANE_STREAM)
         .await
@@ -197,19 +142,13 @@ pub(crate) async fn move_stranded(
     Ok(moved)
 }
 
-/// A step of the sweep or the move that failed.
-#[derive(Debug, thiserror::Error)]
-#[error("{what}: {source}")]
-pub(crate) struct StrandedError {
-    what: &'static str,
-    source: async_nats::Error,
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::look::look;
     use super::*;
     use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
     use futures::StreamExt;
+    use std::time::Duration;
 
     async fn lane_stream(js: &jetstream::Context) -> anyhow::Result<()> {
         js.create_stream(jetstream::stream::Config {
@@ -301,14 +240,20 @@ mod tests {
             .await?
             .await?;
 
-        let (stored, infos) = look(&js).await?;
+        let (stored, infos) = {
+            let l = look(&js).await?;
+            (l.stored, l.lanes)
+        };
         let first = sweep(&js, &stored, &infos, &HashMap::new()).await;
         assert_eq!(
             first,
             HashMap::from([(subjects::lane_consumer(&stuck), 1)]),
             "only the stuck lane is a candidate"
         );
-        let (stored, infos) = look(&js).await?;
+        let (stored, infos) = {
+            let l = look(&js).await?;
+            (l.stored, l.lanes)
+        };
         let second = sweep(&js, &stored, &infos, &first).await;
         assert!(
             second.is_empty(),
@@ -320,7 +265,10 @@ mod tests {
             handed.push(serve_one(&js, &stuck_consumer).await?.1);
         }
         assert_eq!(handed, ["item 1", "item 2", "item 3"]);
-        let (stored, infos) = look(&js).await?;
+        let (stored, infos) = {
+            let l = look(&js).await?;
+            (l.stored, l.lanes)
+        };
         assert!(
             sweep(&js, &stored, &infos, &second).await.is_empty(),
             "nothing stranded once they are served"

@@ -1,0 +1,51 @@
+//! The sweep: every replica looks at every lane every [`EVERY`] for the two states that no
+//! event would ever end, both found by the fault campaign on a cluster under overlapping
+//! faults, and repairs what it finds there twice running:
+//! - [`stranded`]: an idle lane consumer past items of its lane still stored (a consumer
+//!   leader that lost deliveries across a leader change): the items go to the lane's end;
+//! - [`unarmed`]: an idle lane whose session has completions not handed over and no delivery
+//!   on its way (the handler that held them cut off, its re-arm lost): a delivery is armed.
+//!
+//! One look serves both: one stream info (the lane subjects holding items), one list of the
+//! lane consumers and one of the completion consumers. Twice running, 30 s apart, so that
+//! nothing in passing (an item acked and about to be removed, a delivery being armed) is
+//! acted on; both repairs are safe to repeat and to race with other replicas.
+
+mod look;
+mod stranded;
+mod unarmed;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::ctx::Ctx;
+
+/// How often the lanes are swept.
+const EVERY: Duration = Duration::from_secs(30);
+
+/// Sweeps until `cancel`.
+pub(crate) async fn run(ctx: Arc<Ctx>, cancel: CancellationToken) {
+    let mut stranded_seen = HashMap::new();
+    let mut unarmed_seen = HashSet::new();
+    loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(EVERY) => {}
+        }
+        if !ctx.lease.held() {
+            continue;
+        }
+        match look::look(&ctx.js).await {
+            Ok(looked) => {
+                stranded_seen =
+                    stranded::sweep(&ctx.js, &looked.stored, &looked.lanes, &stranded_seen).await;
+                unarmed_seen = unarmed::sweep(&ctx, &looked, &unarmed_seen).await;
+            }
+            Err(e) => tracing::warn!(error = %e, "sweep the lanes"),
+        }
+    }
+}
