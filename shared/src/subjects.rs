@@ -261,6 +261,16 @@ pub fn completion(session: &SessionId, execution: &ExecutionId) -> String {
     format!("ts.completion.{session}.{execution}")
 }
 
+/// The session a completion's subject is for (`ts.completion.<session>.<execution>`).
+pub fn completion_session(subject: &str) -> Option<SessionId> {
+    subject
+        .strip_prefix("ts.completion.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
 pub fn completion_session_all(session: &SessionId) -> String {
     format!("ts.completion.{session}.*")
 }

@@ -81,6 +81,8 @@ pub struct Config {
     /// How long a turn may go untaken by its live host before its lane looks for its command
     /// and sends it again if it is not stored (`handoff::lost_command`).
     pub lost_command_after: Duration,
+    /// How often the lanes are swept for the states no event ends (`sweep`).
+    pub sweep_every: Duration,
 }
 
 impl Config {
@@ -94,6 +96,7 @@ impl Config {
             liveness: LivenessTiming::default(),
             orphan_run_after: Duration::from_secs(60),
             lost_command_after: Duration::from_secs(30),
+            sweep_every: Duration::from_secs(30),
         }
     }
 }
@@ -195,7 +198,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         config.orphan_run_after,
         stop.child_token(),
     ));
-    tokio::spawn(sweep::run(ctx.clone(), stop.child_token()));
+    tokio::spawn(sweep::run(
+        ctx.clone(),
+        config.sweep_every,
+        stop.child_token(),
+    ));
     tracing::info!(replica = %ctx.replica, instance = %ctx.instance, "session-lane running");
 
     // Liveness outlives the lanes on a graceful stop: their last acts run under its lease.

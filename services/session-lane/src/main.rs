@@ -28,6 +28,10 @@ struct Args {
     /// and sends it again if it is not stored (a backstop for a command the store lost).
     #[arg(long, env = "TURNSTILE_LOST_COMMAND_AFTER", default_value = "30s", value_parser = turnstile_shared::duration::parse_flag)]
     lost_command_after: std::time::Duration,
+    /// How often every lane is swept for a consumer past stored items or completions waiting
+    /// with no delivery armed (each repaired when seen two sweeps running).
+    #[arg(long, env = "TURNSTILE_SWEEP_EVERY", default_value = "30s", value_parser = turnstile_shared::duration::parse_flag)]
+    sweep_every: std::time::Duration,
 }
 
 #[tokio::main]
@@ -38,6 +42,7 @@ async fn main() -> anyhow::Result<()> {
     config.topology = args.topology.to_config();
     config.orphan_run_after = args.orphan_run_after;
     config.lost_command_after = args.lost_command_after;
+    config.sweep_every = args.sweep_every;
     if let Some(r) = args.replica {
         config.replica = r;
     }

@@ -1249,3 +1249,80 @@ async fn command_lost(stack: &mut Stack) -> Result<()> {
     );
     Ok(())
 }
+
+/// R3: a completion with no delivery on its way on an idle lane (the campaign's state: the
+/// delivery that held it cut off, its re-arm lost) would wait for ever. The lane's sweep finds
+/// the session idle with a completion counted twice running and arms a delivery: the result
+/// is handed over, once.
+#[tokio::test]
+async fn a_completion_left_with_no_delivery_armed_is_still_handed_over_once() -> Result<()> {
+    let mut stack = Stack::start_with(&["a"], &["h1"], &[("TURNSTILE_SWEEP_EVERY", "1s")]).await?;
+    let r = unarmed(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn unarmed(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::envelope::Envelope;
+    use turnstile_shared::lane::lane_kind;
+    use turnstile_shared::subjects;
+    let s = stack.create_session("unarmed", Some("h1")).await?;
+    // A first result handed over, so the session's completion consumer exists (as it did in
+    // the campaign).
+    let warm = stack.send(&s, "!step warm 1s").await?;
+    stack.wait_turn(&warm, Duration::from_secs(30)).await?;
+    crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(30)).await?;
+    // A step ends while its turn still runs: its delivery is armed behind the turn. That
+    // delivery (its lane item and its marker) is lost before the turn ends.
+    let t = stack.send(&s, "!step lonely 1s\n!sleep 8s").await?;
+    let admin = stack.js_as("admin").await?;
+    let lanes = admin.get_stream(subjects::LANE_STREAM).await?;
+    let lane = subjects::lane(&s);
+    let seq = wait_until(
+        "the delivery armed behind the turn",
+        Duration::from_secs(20),
+        || {
+            let (lanes, lane) = (lanes.clone(), lane.clone());
+            async move {
+                let mut from = 1;
+                while let Ok(m) = lanes
+                    .direct_get_next_for_subject(lane.as_str(), Some(from))
+                    .await
+                {
+                    from = m.sequence + 1;
+                    if Envelope::decode(&m.payload)?.kind == lane_kind::DELIVERY {
+                        return Ok(Some(m.sequence));
+                    }
+                }
+                Ok(None)
+            }
+        },
+    )
+    .await?;
+    ensure!(
+        lanes.delete_message(seq).await?,
+        "the delivery item deleted"
+    );
+    stack
+        .js_as("session-lane")
+        .await?
+        .get_key_value(subjects::DELIVERIES_BUCKET)
+        .await?
+        .purge(s.as_str())
+        .await?;
+    stack.wait_turn(&t, Duration::from_secs(30)).await?;
+    crate::stack::wait_deliveries(stack, &s, 2, Duration::from_secs(60)).await?;
+    let handed = stack
+        .transcript(&s)
+        .await?
+        .iter()
+        .filter(|m| m.contains("- lonely ["))
+        .count();
+    ensure!(handed == 1, "the result was handed over {handed} times");
+    let said = std::fs::read_to_string(stack.lanes.get("a").context("lane a")?.log_path())?;
+    ensure!(
+        said.lines()
+            .any(|l| l.contains(s.as_str()) && l.contains("one is armed")),
+        "the lane did not say it armed a delivery"
+    );
+    Ok(())
+}

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use async_nats::jetstream::{self, consumer::Info};
 use futures::TryStreamExt;
-use turnstile_shared::subjects;
+use turnstile_shared::{subjects, SessionId};
 
 /// What one look found.
 pub(super) struct Looked {
@@ -16,6 +16,10 @@ pub(super) struct Looked {
     /// Every completion consumer's state, by name (empty when the list failed: the stranded
     /// lanes are still looked at).
     pub completions: HashMap<String, Info>,
+    /// The sessions with completions stored (not handed over yet, or acked and their removal
+    /// lost): for a session whose completion consumer was never made (it is made by the first
+    /// delivery).
+    pub completions_stored: HashSet<SessionId>,
 }
 
 /// The lane subjects holding items, then every lane consumer's state (in that order: an item
@@ -38,30 +42,45 @@ pub(super) async fn look(js: &jetstream::Context) -> Result<Looked, SweepError> 
     let lanes = crate::liveness::lane_infos(js)
         .await
         .map_err(|e| failed("list the lane consumers")(e.into()))?;
-    let completions = match completion_infos(js).await {
+    let (completions, completions_stored) = match completion_infos(js).await {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(error = %e, "sweep the lanes");
-            HashMap::new()
+            Default::default()
         }
     };
     Ok(Looked {
         stored,
         lanes,
         completions,
+        completions_stored,
     })
 }
 
-async fn completion_infos(js: &jetstream::Context) -> Result<HashMap<String, Info>, SweepError> {
+/// Every completion consumer's state, and the sessions with completions stored.
+async fn completion_infos(
+    js: &jetstream::Context,
+) -> Result<(HashMap<String, Info>, HashSet<SessionId>), SweepError> {
     let failed = SweepError::at;
-    js.get_stream_no_info(subjects::COMPLETION_STREAM)
+    let stream = js
+        .get_stream_no_info(subjects::COMPLETION_STREAM)
         .await
-        .map_err(|e| failed("read the completion stream")(e.into()))?
+        .map_err(|e| failed("read the completion stream")(e.into()))?;
+    let stored = stream
+        .info_with_subjects(subjects::COMPLETION_ALL)
+        .await
+        .map_err(|e| failed("list the completions stored")(e.into()))?
+        .try_filter_map(|(subject, _)| async move { Ok(subjects::completion_session(&subject)) })
+        .try_collect()
+        .await
+        .map_err(|e| failed("list the completions stored")(e.into()))?;
+    let infos = stream
         .consumers()
         .map_ok(|i| (i.name.clone(), i))
         .try_collect()
         .await
-        .map_err(|e| failed("list the completion consumers")(e.into()))
+        .map_err(|e| failed("list the completion consumers")(e.into()))?;
+    Ok((infos, stored))
 }
 
 /// Nothing to hand out and nothing in flight.

@@ -1,4 +1,4 @@
-//! The sweep: every replica looks at every lane every [`EVERY`] for the two states that no
+//! The sweep: every replica looks at every lane every `--sweep-every` (30 s) for the two states that no
 //! event would ever end, both found by the fault campaign on a cluster under overlapping
 //! faults, and repairs what it finds there twice running:
 //! - [`stranded`]: an idle lane consumer past items of its lane still stored (a consumer
@@ -23,18 +23,15 @@ use tokio_util::sync::CancellationToken;
 
 use crate::ctx::Ctx;
 
-/// How often the lanes are swept.
-const EVERY: Duration = Duration::from_secs(30);
-
 /// Sweeps until `cancel`.
-pub(crate) async fn run(ctx: Arc<Ctx>, cancel: CancellationToken) {
+pub(crate) async fn run(ctx: Arc<Ctx>, every: Duration, cancel: CancellationToken) {
     let mut stranded_seen = HashMap::new();
     let mut unarmed_seen = HashSet::new();
     loop {
         tokio::select! {
             biased;
             _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(EVERY) => {}
+            _ = tokio::time::sleep(every) => {}
         }
         if !ctx.lease.held() {
             continue;

@@ -10,7 +10,8 @@
 //! handler dropped, the replica fenced) or a re-arm lost on a failing store leaves none.
 //!
 //! So on each sweep ([`super`]) a session whose completion consumer counts completions to
-//! hand out or in flight while its lane consumer is idle (no item queued or in flight: no
+//! hand out or in flight (or, with no consumer yet, has completions stored) while its lane
+//! consumer is idle (no item queued or in flight: no
 //! delivery armed, none running), seen so twice running, gets a delivery armed. Arming is
 //! safe at any time: a young marker (a router arming right now) is trusted, an old one whose
 //! item is not on the lane is published again, and a delivery that finds the completions still
@@ -57,10 +58,14 @@ pub(super) fn waiting(looked: &Looked) -> Vec<SessionId> {
         .filter(|lane| idle(lane))
         .filter_map(|lane| subjects::lane_consumer_session(&lane.name))
         .filter(|session| {
-            looked
+            match looked
                 .completions
                 .get(&subjects::completion_consumer(session))
-                .is_some_and(|c| c.num_pending + c.num_ack_pending as u64 > 0)
+            {
+                Some(c) => c.num_pending + c.num_ack_pending as u64 > 0,
+                // No consumer yet (the first delivery makes it): what is stored waits.
+                None => looked.completions_stored.contains(session),
+            }
         })
         .collect()
 }
@@ -103,6 +108,7 @@ mod tests {
             stored: HashSet::new(),
             lanes,
             completions,
+            completions_stored: HashSet::new(),
         }
     }
 
@@ -124,5 +130,19 @@ mod tests {
         ]));
         let found: HashSet<_> = found.into_iter().collect();
         assert_eq!(found, HashSet::from([held, queued]));
+    }
+
+    #[test]
+    fn with_no_completion_consumer_yet_what_is_stored_waits() {
+        let (stored, none) = (SessionId::new(), SessionId::new());
+        let mut l = looked(&[(stored.clone(), 0, 0, 0, 0), (none.clone(), 0, 0, 0, 0)]);
+        l.completions.clear();
+        l.completions_stored.insert(stored.clone());
+        assert_eq!(waiting(&l), vec![stored.clone()]);
+        // A consumer that counts nothing decides: a stored completion it counts neither way
+        // was acked (its removal lost) and waits for nothing.
+        let mut l = looked(&[(stored.clone(), 0, 0, 0, 0)]);
+        l.completions_stored.insert(stored);
+        assert!(waiting(&l).is_empty());
     }
 }
