@@ -1,5 +1,5 @@
 //! Notices an agent whose process exits while its session is idle, without waiting for the
-//! next turn (issue 5, R9): the panes on this host's private tmux server are checked twice a
+//! next turn (R9): the panes on this host's private tmux server are checked twice a
 //! second, and a newly dead one is reported as `terminal.died` with the evidence (host,
 //! terminal, exit status, last lines). The next turn resumes the same conversation once; a
 //! turn is never typed into the dead process.
