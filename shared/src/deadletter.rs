@@ -11,6 +11,19 @@ use crate::envelope::Envelope;
 use crate::events;
 use crate::subjects;
 
+/// How a refusal ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Dead-lettered, and the original's termination confirmed by the server: the caller may
+    /// remove it from its stream.
+    Terminated,
+    /// Dead-lettered and terminated, the termination not confirmed: the original may come
+    /// back once (and be refused again).
+    Unconfirmed,
+    /// The dead letter could not be stored: the original is given back to be tried again.
+    Retried,
+}
+
 /// Dead-letters `msg` on `dlq` with `reason`, publishes `event`, then terminates `msg`.
 pub async fn refuse(
     js: &jetstream::Context,
@@ -18,7 +31,7 @@ pub async fn refuse(
     dlq: String,
     reason: &str,
     event: &Envelope,
-) {
+) -> Refused {
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
     tracing::warn!(subject = %msg.subject, seq, reason, "refusing message");
     let mut headers = HeaderMap::new();
@@ -35,14 +48,21 @@ pub async fn refuse(
         Ok::<(), async_nats::Error>(())
     }
     .await;
-    let ack = match stored {
-        Ok(()) => AckKind::Term,
-        Err(e) => {
-            tracing::warn!(subject = %msg.subject, error = %e, "dead-letter failed; will retry");
-            AckKind::Nak(Some(Duration::from_secs(1)))
+    if let Err(e) = stored {
+        tracing::warn!(subject = %msg.subject, error = %e, "dead-letter failed; will retry");
+        if let Err(e) = msg
+            .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+            .await
+        {
+            tracing::warn!(subject = %msg.subject, error = %e, "give back a message to refuse again");
         }
-    };
-    if let Err(e) = msg.ack_with(ack).await {
-        tracing::warn!(subject = %msg.subject, error = %e, "ack refused message");
+        return Refused::Retried;
+    }
+    match msg.double_ack_with(AckKind::Term).await {
+        Ok(()) => Refused::Terminated,
+        Err(e) => {
+            tracing::warn!(subject = %msg.subject, error = %e, "terminate refused message; unconfirmed");
+            Refused::Unconfirmed
+        }
     }
 }

@@ -65,7 +65,7 @@ async fn handle(ctx: &Arc<Ctx>, msg: jetstream::Message) {
             match Envelope::new(EventKind::EndRejected.as_str(), &data) {
                 Ok(ev) => {
                     let dlq = subjects::BROKER_DEADLETTER.to_string();
-                    turnstile_shared::deadletter::refuse(&ctx.js, &msg, dlq, &reason, &ev).await
+                    turnstile_shared::deadletter::refuse(&ctx.js, &msg, dlq, &reason, &ev).await;
                 }
                 Err(e) => tracing::error!(error = %e, "build end.rejected"),
             }

@@ -101,10 +101,17 @@ pub(crate) async fn reject(
         &json!({ "reason": reason, "lane_seq": seq, "dead_letter": dlq }),
     )
     .map(|e| e.with_id(format!("{}:lane.rejected:{seq}", session.id)));
-    // Its termination is not confirmed, so it is not removed here (a removal the server takes
-    // before the termination holds the lane, see `remove_item`): its session's stop takes it.
+    // Removed once its termination is confirmed (a removal the server takes before the
+    // termination holds the lane, see `remove_item`), as a done item is: an item left stored
+    // past an idle lane's position is what the stranded sweep hands out again.
     match event {
-        Ok(event) => deadletter::refuse(&ctx.js, msg, dlq, reason, &event).await,
+        Ok(event) => {
+            if deadletter::refuse(&ctx.js, msg, dlq, reason, &event).await
+                == deadletter::Refused::Terminated
+            {
+                remove_item(ctx, session, msg).await;
+            }
+        }
         Err(e) => tracing::error!(session = %session.id, error = %e, "build lane.rejected"),
     }
 }

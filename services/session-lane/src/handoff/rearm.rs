@@ -4,6 +4,7 @@
 
 use async_nats::jetstream;
 use serde_json::json;
+use turnstile_shared::arming::ArmError;
 use turnstile_shared::events::{self, session_event, EventKind};
 use turnstile_shared::kv::Bucket;
 use turnstile_shared::{subjects, DeliveryId, ExecutionId, SessionId};
@@ -11,13 +12,27 @@ use turnstile_shared::{subjects, DeliveryId, ExecutionId, SessionId};
 use crate::ctx::Ctx;
 
 pub(super) async fn arm(ctx: &Ctx, session: &SessionId, first: Option<&ExecutionId>) {
-    arm_with(&ctx.js, &ctx.buckets.deliveries, session, first).await;
+    logged(
+        session,
+        arm_with(&ctx.js, &ctx.buckets.deliveries, session, first).await,
+    );
 }
 
 /// Arms a delivery for completions the sweep found waiting on an idle lane with none on its
-/// way (`crate::sweep`). Returns the delivery armed, if a new one was.
-pub(crate) async fn arm_for_waiting(ctx: &Ctx, session: &SessionId) -> Option<DeliveryId> {
+/// way (`crate::sweep`). `Ok(Some)`: the delivery armed; `Ok(None)`: one is on its way
+/// already (a young marker, or its item on the lane).
+pub(crate) async fn arm_for_waiting(
+    ctx: &Ctx,
+    session: &SessionId,
+) -> Result<Option<DeliveryId>, ArmError> {
     arm_with(&ctx.js, &ctx.buckets.deliveries, session, None).await
+}
+
+/// A failed arm is logged; the next turn end or sweep arms again.
+fn logged(session: &SessionId, armed: Result<Option<DeliveryId>, ArmError>) {
+    if let Err(e) = armed {
+        tracing::warn!(%session, error = %e, "arm delivery");
+    }
 }
 
 async fn arm_with(
@@ -25,25 +40,26 @@ async fn arm_with(
     deliveries: &Bucket,
     session: &SessionId,
     first: Option<&ExecutionId>,
-) -> Option<DeliveryId> {
-    match turnstile_shared::arming::arm_naming(js, deliveries, session, first).await {
-        Ok(Some(d)) => {
-            if let Ok(ev) = session_event(
-                EventKind::DeliveryQueued,
-                session,
-                None,
-                &json!({ "delivery": d }),
-            ) {
-                let _ = events::publish(js, &ev.with_id(format!("{d}:queued"))).await;
-            }
-            Some(d)
-        }
-        Ok(None) => None,
-        Err(e) => {
-            tracing::warn!(%session, error = %e, "arm delivery");
-            None
+) -> Result<Option<DeliveryId>, ArmError> {
+    let armed = turnstile_shared::arming::arm_naming(js, deliveries, session, first).await?;
+    if let Some(d) = &armed {
+        // The event is for readers of the session's history; the delivery does not need it.
+        let announced = match session_event(
+            EventKind::DeliveryQueued,
+            session,
+            None,
+            &json!({ "delivery": d }),
+        ) {
+            Ok(ev) => events::publish(js, &ev.with_id(format!("{d}:queued")))
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = announced {
+            tracing::debug!(%session, delivery = %d, error = %e, "announce a delivery armed");
         }
     }
+    Ok(armed)
 }
 
 /// Arms a delivery if completions wait without one: after a turn ends on a lane whose last
@@ -58,7 +74,7 @@ pub(crate) fn rearm_if_pending(ctx: &Ctx, session: &SessionId) {
             return;
         };
         if pending_completions(&stream, &session).await.unwrap_or(0) > 0 {
-            arm_with(&js, &deliveries, &session, None).await;
+            logged(&session, arm_with(&js, &deliveries, &session, None).await);
         }
     });
 }

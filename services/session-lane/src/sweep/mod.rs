@@ -15,7 +15,7 @@ mod look;
 mod stranded;
 mod unarmed;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,7 +26,7 @@ use crate::ctx::Ctx;
 /// Sweeps until `cancel`.
 pub(crate) async fn run(ctx: Arc<Ctx>, every: Duration, cancel: CancellationToken) {
     let mut stranded_seen = HashMap::new();
-    let mut unarmed_seen = HashSet::new();
+    let mut unarmed_seen = unarmed::Memory::default();
     loop {
         tokio::select! {
             biased;
@@ -42,7 +42,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, every: Duration, cancel: CancellationToke
                     stranded::sweep(&ctx.js, &looked.stored, &looked.lanes, &stranded_seen).await;
                 unarmed_seen = unarmed::sweep(&ctx, &looked, &unarmed_seen).await;
             }
-            Err(e) => tracing::warn!(error = %e, "sweep the lanes"),
+            Err(e) => tracing::warn!(error = %e, "sweep the lanes: look at them"),
         }
     }
 }

@@ -28,7 +28,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use async_nats::jetstream::{self, consumer::Info, stream::DirectGetErrorKind};
+use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::stream::{DeleteMessageErrorKind, DirectGetErrorKind};
+use async_nats::jetstream::{self, consumer::Info};
 use turnstile_shared::{subjects, SessionId};
 
 use super::look::{idle, SweepError};
@@ -65,7 +67,7 @@ pub(super) async fn sweep(
             match move_stranded(js, &session, (first, delivered)).await {
                 Ok(moved) => {
                     tracing::warn!(%session, moved, first, delivered,
-                    "a lane consumer past items it never handed out: they are published again at the end of the lane")
+                    "a lane consumer past items still stored (never handed out, or done and their removal lost): they are published again at the end of the lane")
                 }
                 Err(e) => tracing::warn!(%session, error = %e, "move a lane's stranded items"),
             }
@@ -100,6 +102,12 @@ async fn first_item(
 
 /// Publishes the lane's items stored in `[first, delivered]` again at the end of the lane, in
 /// order, and deletes the originals. Returns how many it moved.
+///
+/// Each copy is published only if the lane's last item is still the one seen (the previous
+/// copy, or the lane's end before the first): a lane purged meanwhile (its session stopped)
+/// gets no copy that nothing would ever serve, and an item sent meanwhile stops the move (the
+/// rest is moved at a later sweep, behind it). A replica moving the same items at once stores
+/// no second copy (message ids) and finds the originals gone.
 pub(super) async fn move_stranded(
     js: &jetstream::Context,
     session: &SessionId,
@@ -111,6 +119,11 @@ pub(super) async fn move_stranded(
         .await
         .map_err(|e| failed("read the lane stream")(e.into()))?;
     let subject = subjects::lane(session);
+    let mut last = match stream.direct_get_last_for_subject(subject.as_str()).await {
+        Ok(m) => m.sequence,
+        Err(e) if e.kind() == DirectGetErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(failed("read the lane's last item")(e.into())),
+    };
     let mut seq = first;
     let mut moved = 0;
     while moved < MOST && seq <= delivered {
@@ -128,18 +141,32 @@ pub(super) async fn move_stranded(
         seq = msg.sequence + 1;
         let copy = jetstream::message::PublishMessage::build()
             .payload(msg.payload.clone())
-            .message_id(format!("{}:stranded:{}", subject, msg.sequence));
+            .message_id(format!("{}:stranded:{}", subject, msg.sequence))
+            .expected_last_subject_sequence(last);
         let publish = async { js.send_publish(subject.clone(), copy).await?.await };
-        publish
-            .await
-            .map_err(|e| failed("publish an item again")(e.into()))?;
-        stream
-            .delete_message(msg.sequence)
-            .await
-            .map_err(|e| failed("delete the original")(e.into()))?;
+        match publish.await {
+            Ok(ack) => last = ack.sequence,
+            Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => {
+                tracing::info!(%session, moved, "the lane changed while its stranded items moved (an item sent, or the lane purged); the rest waits for a later sweep");
+                return Ok(moved);
+            }
+            Err(e) => return Err(failed("publish an item again")(e.into())),
+        }
+        match stream.delete_message(msg.sequence).await {
+            Ok(_) => {}
+            // Another replica moved it first.
+            Err(e) if no_message(&e) => {}
+            Err(e) => return Err(failed("delete the original")(e.into())),
+        }
         moved += 1;
     }
     Ok(moved)
+}
+
+/// Whether a delete failed because the message is gone already.
+fn no_message(e: &async_nats::jetstream::stream::DeleteMessageError) -> bool {
+    matches!(e.kind(), DeleteMessageErrorKind::JetStream(j)
+        if j.error_code() == async_nats::jetstream::ErrorCode::NO_MESSAGE_FOUND)
 }
 
 #[cfg(test)]
@@ -310,6 +337,60 @@ mod tests {
                 (6, "item 3".to_string()),
             ]
         );
+        Ok(())
+    }
+
+    /// A lane item refused (R15) is terminated with the server's confirmation, so the lane
+    /// removes it like a done one (`handoff::item::reject`): left stored past an idle lane's
+    /// position, the sweep would hand it out again, to be refused again, every minute.
+    #[tokio::test]
+    async fn a_refused_lane_item_is_confirmed_terminated() -> anyhow::Result<()> {
+        use turnstile_shared::deadletter::{refuse, Refused};
+        let server = turnstile_tests::NatsServer::start().await?;
+        let js = async_nats::jetstream::new(server.client().await?);
+        lane_stream(&js).await?;
+        for (name, subject) in [
+            (subjects::DEADLETTER_STREAM, subjects::DEADLETTER_ALL),
+            (subjects::EVENTS_STREAM, subjects::EVENTS_ALL),
+        ] {
+            js.create_stream(jetstream::stream::Config {
+                name: name.into(),
+                subjects: vec![subject.into()],
+                ..Default::default()
+            })
+            .await?;
+        }
+        let session = SessionId::new();
+        js.publish(subjects::lane(&session), "not an item".into())
+            .await?
+            .await?;
+        let consumer = consumer_from(&js, &session, 1).await?;
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_secs(5))
+            .messages()
+            .await?;
+        let msg = batch
+            .next()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("no item handed out"))?
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let event = turnstile_shared::events::session_event(
+            turnstile_shared::events::EventKind::LaneRejected,
+            &session,
+            None,
+            &serde_json::json!({ "reason": "unreadable" }),
+        )?;
+        let refused = refuse(
+            &js,
+            &msg,
+            subjects::lane_deadletter(&session),
+            "unreadable",
+            &event,
+        )
+        .await;
+        assert_eq!(refused, Refused::Terminated);
         Ok(())
     }
 }

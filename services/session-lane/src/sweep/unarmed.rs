@@ -16,38 +16,112 @@
 //! safe at any time: a young marker (a router arming right now) is trusted, an old one whose
 //! item is not on the lane is published again, and a delivery that finds the completions still
 //! in flight arms again once their ack wait has passed.
+//!
+//! A session still waiting after a delivery the sweep armed (the delivery failed: its agent or
+//! host down) is armed again after [`FIRST_WAIT`], then twice as long each time up to
+//! [`MOST_WAIT`]: R3 leaves a failed hand-over to the session's next turn end, and the sweep's
+//! retries are for a session that gets none, not a delivery turn every minute.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
+use tokio::time::Instant;
 use turnstile_shared::{subjects, SessionId};
 
 use super::look::{idle, Looked};
 use crate::ctx::Ctx;
 
-/// One sweep: the sessions waiting so on this sweep; those also waiting last time get a
-/// delivery armed.
-pub(super) async fn sweep(
-    ctx: &Ctx,
-    looked: &Looked,
-    last: &HashSet<SessionId>,
-) -> HashSet<SessionId> {
-    let mut now = HashSet::new();
-    for session in waiting(looked) {
-        if !last.contains(&session) {
-            tracing::info!(%session, "completions waiting on an idle lane with no delivery armed; armed if still so at the next sweep");
-            now.insert(session);
-            continue;
-        }
-        match crate::handoff::arm_for_waiting(ctx, &session).await {
-            Some(delivery) => tracing::warn!(%session, %delivery,
-                "completions waited on an idle lane with no delivery armed: one is armed"),
-            // A marker on its way was found (trusted, or its item on the lane): it delivers.
-            None => {
-                tracing::info!(%session, "completions waiting on an idle lane: a delivery is on its way")
-            }
+/// The wait after this replica armed a delivery for a session before it arms another one if
+/// the session still waits (the delivery failed: its agent or host down); doubled each time
+/// up to [`MOST_WAIT`]. A failed hand-over is otherwise re-armed by the session's next turn
+/// end (R3); the sweep's retries are for a session that gets no further turn.
+const FIRST_WAIT: Duration = Duration::from_secs(120);
+const MOST_WAIT: Duration = Duration::from_secs(30 * 60);
+
+/// What the sweep keeps from one sweep to the next: the sessions seen waiting, and when it may
+/// arm again for those it armed a delivery for. A session no longer waiting is forgotten.
+#[derive(Default)]
+pub(super) struct Memory {
+    seen: HashSet<SessionId>,
+    armed: HashMap<SessionId, Retry>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Retry {
+    not_before: Instant,
+    wait: Duration,
+}
+
+/// What to do for a session seen waiting.
+#[derive(Debug, PartialEq)]
+enum Decision {
+    /// First seen so: noted, acted on if still so at the next sweep.
+    Note,
+    /// Armed lately: not again before then.
+    Hold(Retry),
+    /// Arm a delivery; if one is armed, not again for `wait`.
+    Arm { wait: Duration },
+}
+
+impl Memory {
+    fn decide(&self, session: &SessionId, now: Instant) -> Decision {
+        match self.armed.get(session) {
+            _ if !self.seen.contains(session) => Decision::Note,
+            Some(r) if now < r.not_before => Decision::Hold(*r),
+            Some(r) => Decision::Arm {
+                wait: (r.wait * 2).min(MOST_WAIT),
+            },
+            None => Decision::Arm { wait: FIRST_WAIT },
         }
     }
-    now
+}
+
+/// One sweep: what to remember for the next one.
+pub(super) async fn sweep(ctx: &Ctx, looked: &Looked, last: &Memory) -> Memory {
+    let now = Instant::now();
+    let mut next = Memory::default();
+    for session in waiting(looked) {
+        next.seen.insert(session.clone());
+        let wait = match last.decide(&session, now) {
+            Decision::Note => {
+                tracing::info!(%session, "completions waiting on an idle lane with no delivery armed; armed if still so at the next sweep");
+                continue;
+            }
+            Decision::Hold(retry) => {
+                next.armed.insert(session, retry);
+                continue;
+            }
+            Decision::Arm { wait } => wait,
+        };
+        match crate::handoff::arm_for_waiting(ctx, &session).await {
+            Ok(Some(delivery)) => {
+                tracing::warn!(%session, %delivery, retry_after_s = wait.as_secs(),
+                    "completions waited on an idle lane with no delivery armed: one is armed");
+                next.armed.insert(
+                    session,
+                    Retry {
+                        not_before: now + wait,
+                        wait,
+                    },
+                );
+            }
+            // A marker on its way was found (trusted, or its item on the lane): it delivers.
+            Ok(None) => {
+                tracing::info!(%session, "completions waiting on an idle lane: a delivery is on its way")
+            }
+            Err(e) => tracing::warn!(%session, error = %e,
+                "arm a delivery for completions waiting on an idle lane; tried again at the next sweep"),
+        }
+    }
+    // A session not seen waiting this time may be in the middle of the delivery armed for it
+    // (its lane busy): what was armed is kept for a while, so a delivery that fails again
+    // waits longer rather than starting over.
+    for (session, retry) in &last.armed {
+        if !next.armed.contains_key(session) && now < retry.not_before + retry.wait {
+            next.armed.insert(session.clone(), *retry);
+        }
+    }
+    next
 }
 
 /// The sessions whose lane is idle while their completion consumer counts completions.
@@ -144,5 +218,41 @@ mod tests {
         let mut l = looked(&[(stored.clone(), 0, 0, 0, 0)]);
         l.completions_stored.insert(stored);
         assert!(waiting(&l).is_empty());
+    }
+
+    #[test]
+    fn a_session_still_waiting_is_armed_again_later_and_later_and_forgotten_once_served() {
+        let s = SessionId::new();
+        let now = Instant::now();
+        let mut m = Memory::default();
+        assert_eq!(m.decide(&s, now), Decision::Note, "first seen");
+        m.seen.insert(s.clone());
+        assert_eq!(m.decide(&s, now), Decision::Arm { wait: FIRST_WAIT });
+        let retry = Retry {
+            not_before: now + FIRST_WAIT,
+            wait: FIRST_WAIT,
+        };
+        m.armed.insert(s.clone(), retry);
+        assert_eq!(
+            m.decide(&s, now + Duration::from_secs(60)),
+            Decision::Hold(retry),
+            "a delivery armed a minute ago is not armed again"
+        );
+        assert_eq!(
+            m.decide(&s, now + FIRST_WAIT),
+            Decision::Arm {
+                wait: FIRST_WAIT * 2
+            }
+        );
+        m.armed.insert(
+            s.clone(),
+            Retry {
+                not_before: now,
+                wait: MOST_WAIT,
+            },
+        );
+        assert_eq!(m.decide(&s, now), Decision::Arm { wait: MOST_WAIT });
+        // Not waiting at a sweep: forgotten, so noted afresh the next time.
+        assert_eq!(Memory::default().decide(&s, now), Decision::Note);
     }
 }

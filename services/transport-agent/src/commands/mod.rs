@@ -86,7 +86,9 @@ pub(crate) async fn refuse(ctx: &Ctx, msg: &jetstream::Message, reason: &str) {
     )
     .map(|e| e.with_id(format!("{host}:transport.rejected:{seq}")));
     match event {
-        Ok(event) => deadletter::refuse(&ctx.js, msg, dlq, reason, &event).await,
+        Ok(event) => {
+            deadletter::refuse(&ctx.js, msg, dlq, reason, &event).await;
+        }
         Err(e) => tracing::error!(%host, error = %e, "build transport.rejected"),
     }
 }

@@ -169,7 +169,9 @@ pub(super) async fn reject(ctx: &Ctx, session: &SessionId, m: &jetstream::Messag
     )
     .map(|e| e.with_id(format!("{session}:completion.rejected:{seq}")));
     match ev {
-        Ok(ev) => deadletter::refuse(&ctx.js, m, dlq, reason, &ev).await,
+        Ok(ev) => {
+            deadletter::refuse(&ctx.js, m, dlq, reason, &ev).await;
+        }
         Err(e) => tracing::error!(error = %e, "build completion.rejected"),
     }
 }
