@@ -25,6 +25,13 @@
 //! original's sequence, so replicas sweeping at once store it once. A copy is an item like any
 //! other: the lane's handlers serve an item from the records (R14), so an item that was done
 //! after all (acked, its removal lost) is only finished again.
+//!
+//! The ack floor does not tell a done item from a stranded one either: a lane consumer made
+//! again (the server reported lane consumers deleted in a quorum loss, and the lane makes its
+//! consumer again) starts with its floor at its start, above items never handed out. So every
+//! item at or below the delivered position is moved, none deleted: nothing is lost, and a done
+//! one costs a repeat its handler recognises. A refused item (R15) is removed by its lane once
+//! its termination is confirmed, so it is not moved and refused again.
 
 use std::collections::{HashMap, HashSet};
 
