@@ -71,6 +71,15 @@ pub(super) async fn sweep(
             }
         };
         if last.get(&info.name) == Some(&first) {
+            // The list may be seconds old by now: the lane is read again just before.
+            match still_idle(js, &info.name).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "sweep for stranded lane items");
+                    continue;
+                }
+            }
             match move_stranded(js, &session, (first, delivered)).await {
                 Ok(moved) => {
                     tracing::warn!(%session, moved, first, delivered,
@@ -85,6 +94,20 @@ pub(super) async fn sweep(
         }
     }
     now
+}
+
+/// Whether a lane consumer is still idle, read now.
+async fn still_idle(js: &jetstream::Context, consumer: &str) -> Result<bool, SweepError> {
+    let failed = SweepError::at;
+    let stream = js
+        .get_stream_no_info(subjects::LANE_STREAM)
+        .await
+        .map_err(|e| failed("read the lane stream")(e.into()))?;
+    let info = stream
+        .consumer_info(consumer)
+        .await
+        .map_err(|e| failed("read a lane consumer")(e.into()))?;
+    Ok(idle(&info))
 }
 
 /// The sequence of the first item stored on a session's lane, if any.
