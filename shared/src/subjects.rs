@@ -503,4 +503,13 @@ mod tests {
         assert!(session_step_events(&a).starts_with(&format!("ts.events.session.{a}.")));
         assert_eq!(session_events(&a), format!("ts.events.session.{a}.>"));
     }
+
+    #[test]
+    fn a_completion_subject_names_its_session_and_nothing_else_does() {
+        let s = SessionId::new();
+        let e = ExecutionId::from(&crate::StepId::new());
+        assert_eq!(completion_session(&completion(&s, &e)), Some(s.clone()));
+        assert_eq!(completion_session(&lane(&s)), None);
+        assert_eq!(completion_session("ts.completion.not-a-session.x"), None);
+    }
 }
