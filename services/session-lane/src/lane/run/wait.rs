@@ -12,7 +12,7 @@ use turnstile_shared::delivery::Completion;
 use turnstile_shared::principal::Principal;
 use turnstile_shared::step_api::{ExecRef, TreeNode};
 use turnstile_shared::subjects;
-use turnstile_shared::{ExecutionId, TurnId};
+use turnstile_shared::{ExecutionId, SessionId, TurnId};
 
 use super::driver::{DriveError, Driver, Wait, API};
 use turnstile_shared::retry::Backoff;
@@ -27,6 +27,10 @@ const RECHECK: Backoff = Backoff::new(Duration::from_millis(10), Duration::from_
 /// How often a run looks again for the completions of what its turn's subtree finished.
 const COMPLETIONS_POLL: Backoff =
     Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
+
+/// How long a run waits for the completions routed to its session once the turn's subtree
+/// has ended: longer than a store briefly out of reach (a node cut off, a leader election).
+const COMPLETIONS_WAIT: Duration = Duration::from_secs(60);
 
 impl Driver<'_> {
     /// Waits until the turn's whole subtree is terminal (R5). Step events are progress (R10).
@@ -75,7 +79,7 @@ impl Driver<'_> {
             if let Some(t) = &tree {
                 if t.settled {
                     let mut ids = Vec::new();
-                    collect_ids(t, &mut ids);
+                    collect_ids(t, &self.session.id, &mut ids);
                     return Ok(Wait::Settled(ids));
                 }
             }
@@ -105,8 +109,11 @@ impl Driver<'_> {
             }
         }
     }
-    /// Takes pending completions for the session, waiting (bounded) until every execution the
-    /// turn's subtree finished has its completion here: routing follows the terminal record.
+    /// Takes pending completions for the session, waiting (bounded by [`COMPLETIONS_WAIT`])
+    /// until every execution of the turn's subtree routed to this session has its completion
+    /// here: routing follows the terminal record, and the store can be out of reach for a
+    /// while (a 20 s partition outlasted the 10 s this wait once had, and the run ended
+    /// without a step's result, R5). The run's item is kept alive meanwhile.
     pub(super) async fn take_completions(
         &self,
         expected: &[ExecutionId],
@@ -114,7 +121,7 @@ impl Driver<'_> {
         let mut want: HashSet<ExecutionId> = expected.iter().cloned().collect();
         let mut carried = Vec::new();
         let mut held = Vec::new();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let deadline = tokio::time::Instant::now() + COMPLETIONS_WAIT;
         let mut pauses = COMPLETIONS_POLL.delays();
         loop {
             let (c, h) = collect(self.ctx, self.session).await?;
@@ -122,19 +129,27 @@ impl Driver<'_> {
             for (comp, _) in &carried {
                 want.remove(&comp.execution);
             }
-            // Executions whose completion goes elsewhere (detached work watched by others)
-            // never arrive here; the wait is bounded.
-            if want.is_empty() || tokio::time::Instant::now() >= deadline {
+            // Only executions routed here are expected; one whose completion never comes
+            // (handed over already) ends the wait at its bound.
+            if want.is_empty()
+                || tokio::time::Instant::now() >= deadline
+                || self.cancel.is_cancelled()
+            {
                 return Ok((carried, held));
             }
-            pauses.wait().await;
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => {}
+                _ = pauses.wait() => {}
+            }
             // What this wait holds already stays this run's while it waits for the rest (the
             // wait may outlast the completions' ack wait; a copy handed out again meanwhile,
-            // when a progress ack was lost, is taken once: `merge`).
+            // when a progress ack was lost, is taken once: `merge`); so does the run's item.
             if self.ctx.lease.held() {
                 for h in &held {
                     let _ = h.ack_with(AckKind::Progress).await;
                 }
+                let _ = self.msg.ack_with(AckKind::Progress).await;
             }
         }
     }
@@ -169,10 +184,13 @@ fn stream_seq(m: &jetstream::Message) -> Option<u64> {
 }
 
 /// Every step under the node (not the node itself).
-fn collect_ids(node: &TreeNode, out: &mut Vec<ExecutionId>) {
+/// The executions of a subtree whose completions come to `session` (its owner or a watcher).
+fn collect_ids(node: &TreeNode, session: &SessionId, out: &mut Vec<ExecutionId>) {
     for n in &node.nodes {
-        out.push(n.record.id.clone());
-        collect_ids(n, out);
+        if n.record.may_receive(session) {
+            out.push(n.record.id.clone());
+        }
+        collect_ids(n, session, out);
     }
 }
 
