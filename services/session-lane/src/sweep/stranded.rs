@@ -240,22 +240,29 @@ mod tests {
             .await?)
     }
 
-    /// Takes the next item, acks it and removes it, as a lane's handler does.
-    async fn serve_one(
-        js: &jetstream::Context,
+    /// The next item handed out, not acked.
+    async fn take_one(
         consumer: &jetstream::consumer::Consumer<pull::Config>,
-    ) -> anyhow::Result<(u64, String)> {
+    ) -> anyhow::Result<jetstream::Message> {
         let mut batch = consumer
             .fetch()
             .max_messages(1)
             .expires(Duration::from_secs(5))
             .messages()
             .await?;
-        let msg = batch
+        batch
             .next()
             .await
             .ok_or_else(|| anyhow::anyhow!("no item handed out"))?
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            .map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    /// Takes the next item, acks it and removes it, as a lane's handler does.
+    async fn serve_one(
+        js: &jetstream::Context,
+        consumer: &jetstream::consumer::Consumer<pull::Config>,
+    ) -> anyhow::Result<(u64, String)> {
+        let msg = take_one(consumer).await?;
         let seq = msg
             .info()
             .map_err(|e| anyhow::anyhow!("{e}"))?
@@ -395,17 +402,7 @@ mod tests {
             .await?
             .await?;
         let consumer = consumer_from(&js, &session, 1).await?;
-        let mut batch = consumer
-            .fetch()
-            .max_messages(1)
-            .expires(Duration::from_secs(5))
-            .messages()
-            .await?;
-        let msg = batch
-            .next()
-            .await
-            .ok_or_else(|| anyhow::anyhow!("no item handed out"))?
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let msg = take_one(&consumer).await?;
         let event = turnstile_shared::events::session_event(
             turnstile_shared::events::EventKind::LaneRejected,
             &session,
