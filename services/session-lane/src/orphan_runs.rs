@@ -7,12 +7,16 @@
 //! did not retry), the run stays `queued` for ever and its schedule's overlap policy may skip
 //! every later slot because of it. Nothing else would ever notice.
 //!
-//! So each replica keeps the runs last written `queued` with no driver (the loop is shared's
-//! `backstop`). A run still so after [`Config::orphan_run_after`](crate::Config) is checked
-//! against its lane: if no item not yet done there names it, its item is published again (the
-//! lane serves a repeat of a run item from the record, so publishing one too many is harmless,
-//! and replicas racing to do so publish the same message id). A run queued on a session that
-//! is stopped or gone can never start: it ends `failed: session_stopped` (R12).
+//! So each replica keeps the runs last written `queued` (the loop is shared's `backstop`). A
+//! retried run is among them: `runs.retry` writes it `queued` again keeping the failed attempt's
+//! driver claim (a later item supersedes it), then publishes its item; a publish that failed there
+//! (NATS killed or paused at that moment, seen in test.sh's seed-1 campaign on CI) left it queued
+//! for ever while this backstop followed only runs with no driver. A run still so after
+//! [`Config::orphan_run_after`](crate::Config) is checked against its lane: if no item not yet done
+//! there names it, its item is published again (the lane serves a repeat of a run item from the
+//! record, so publishing one too many is harmless, and replicas racing to do so publish the same
+//! message id). A run queued on a session that is stopped or gone can never start: it ends `failed:
+//! session_stopped` (R12).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +30,7 @@ use turnstile_shared::events::{self, EventKind};
 use turnstile_shared::kv::{Bucket, Change};
 use turnstile_shared::lane::LaneItem;
 use turnstile_shared::records::SessionRecord;
-use turnstile_shared::runs::{run_reason, DriverClaim, RunItem, RunRecord, RunState};
+use turnstile_shared::runs::{run_reason, RunItem, RunRecord, RunState};
 use turnstile_shared::{subjects, RunId, SessionId};
 
 use crate::ctx::Ctx;
@@ -35,8 +39,6 @@ use crate::ctx::Ctx;
 #[derive(Deserialize)]
 pub(crate) struct Glance {
     session: SessionId,
-    #[serde(default)]
-    driver: Option<DriverClaim>,
     #[serde(flatten)]
     state: RunState,
 }
@@ -56,7 +58,7 @@ impl Backstop for QueuedRuns {
     }
 
     fn waiting(g: &Glance) -> Option<SessionId> {
-        waits(&g.state, g.driver.as_ref()).then(|| g.session.clone())
+        waits(&g.state).then(|| g.session.clone())
     }
 
     async fn check(&self, id: &RunId, _: &SessionId) -> Result<Verdict, CheckError> {
@@ -69,9 +71,10 @@ pub(crate) async fn run(ctx: Arc<Ctx>, after: Duration, cancel: CancellationToke
     backstop::run(Arc::new(QueuedRuns(ctx)), after, cancel).await;
 }
 
-/// Whether a run waits for its item: `queued`, no driver.
-fn waits(state: &RunState, driver: Option<&DriverClaim>) -> bool {
-    matches!(state, RunState::Queued) && driver.is_none()
+/// Whether a run waits for its item: `queued` (first time, or again after a retry, when a
+/// driver claim of the failed attempt is still stored; only the item moves it on either way).
+fn waits(state: &RunState) -> bool {
+    matches!(state, RunState::Queued)
 }
 
 /// Reads the run and its session afresh and acts on what they say.
@@ -79,7 +82,7 @@ async fn check(ctx: &Ctx, id: &RunId) -> Result<Verdict, CheckError> {
     let Some((run, _)) = ctx.buckets.runs.get::<RunRecord>(id.as_str()).await? else {
         return Ok(Verdict::Settled);
     };
-    if !waits(&run.state, run.driver.as_ref()) {
+    if !waits(&run.state) {
         return Ok(Verdict::Settled);
     }
     let session = ctx
@@ -151,7 +154,7 @@ pub(crate) async fn end_stopped(
         .buckets
         .runs
         .modify::<RunRecord, _>(id.as_str(), |cur| match cur {
-            Some(r) if waits(&r.state, r.driver.as_ref()) => {
+            Some(r) if waits(&r.state) => {
                 ended = true;
                 Change::Write(RunRecord {
                     state: stopped(ended_at),

@@ -843,8 +843,10 @@ async fn claimed_by_a_later_delivery(stack: &mut Stack) -> Result<()> {
 /// once. The campaign (60 min, three nodes) left runs queued for ever: during a quorum loss
 /// the server reported their lanes' consumers deleted, and the items, acknowledged when the
 /// runs were queued, were never handed out. A run record written with no item (as a lost item
-/// leaves it) is found by the replica's backstop and its item published again; a run queued
-/// behind a long turn, its item on the lane all along, is left alone.
+/// leaves it) is found by the replica's backstop and its item published again, and so is a
+/// retried run's (queued again with the failed attempt's driver claim kept: test.sh's seed-1
+/// campaign left one queued for ever on CI); a run queued behind a long turn, its item on the
+/// lane all along, is left alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_queued_whose_lane_item_was_lost_still_runs_once() -> Result<()> {
     let mut stack =
@@ -878,10 +880,26 @@ async fn item_lost(stack: &mut Stack) -> Result<()> {
         driver: None,
         state: RunState::Queued,
     };
+    // A retried run whose item was lost: `runs.retry` writes it queued again, keeping the
+    // failed attempt's driver claim, and its publish of the item failed (seen on CI, the
+    // seed-1 campaign: NATS killed at that moment; the run stayed queued for ever).
+    let retried = RunRecord {
+        id: turnstile_shared::RunId::default(),
+        messages: vec!["the retried run whose item was lost".into()],
+        attempt: 1,
+        driver: Some(turnstile_shared::runs::DriverClaim {
+            item: 1,
+            delivery: 1,
+            token: "the failed attempt's delivery".into(),
+        }),
+        ..lost.clone()
+    };
     let runs = stack.js.get_key_value(subjects::RUNS_BUCKET).await?;
-    runs.create(lost.id.as_str(), serde_json::to_vec(&lost)?.into())
-        .await?;
-    for run in [&lost.id, &behind.id] {
+    for rec in [&lost, &retried] {
+        runs.create(rec.id.as_str(), serde_json::to_vec(rec)?.into())
+            .await?;
+    }
+    for run in [&lost.id, &retried.id, &behind.id] {
         let done = stack.wait_run(run, Duration::from_secs(60)).await?;
         ensure!(
             matches!(done.state, RunState::Completed { .. }),
@@ -890,7 +908,11 @@ async fn item_lost(stack: &mut Stack) -> Result<()> {
         );
     }
     let typed = stack.transcript(&s).await?;
-    for text in ["the run whose item was lost", "queued behind the long turn"] {
+    for text in [
+        "the run whose item was lost",
+        "the retried run whose item was lost",
+        "queued behind the long turn",
+    ] {
         let n = typed.iter().filter(|m| m.as_str() == text).count();
         ensure!(n == 1, "{text:?} was typed {n} times");
     }
@@ -899,10 +921,12 @@ async fn item_lost(stack: &mut Stack) -> Result<()> {
         .lines()
         .filter(|l| l.contains("published again"))
         .collect();
-    ensure!(
-        again.iter().any(|l| l.contains(lost.id.as_str())),
-        "the backstop did not say it published the lost run's item again"
-    );
+    for run in [&lost.id, &retried.id] {
+        ensure!(
+            again.iter().any(|l| l.contains(run.as_str())),
+            "the backstop did not say it published run {run}'s lost item again"
+        );
+    }
     ensure!(
         !again.iter().any(|l| l.contains(behind.id.as_str())),
         "the backstop published again the item of a run queued behind a turn: {again:?}"
