@@ -300,7 +300,8 @@ fn process_running(pattern: &str) -> bool {
 
 /// R8, R15: a completion addressed to another session, a step started with another
 /// session's token, and a forged token are each refused with a clear error and recorded;
-/// nothing is delivered.
+/// nothing is delivered. A start repeated by its own session after its turn ended gets its
+/// step back (R14); the same step id from another session is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn foreign_completions_and_tokens_are_refused_and_recorded() -> Result<()> {
     let mut stack = Stack::start(&["a"], &["h1"]).await?;
@@ -427,5 +428,28 @@ async fn refusals(stack: &mut Stack) -> Result<()> {
     ensure!(tb_transcript.len() == 2, "{tb_transcript:?}");
     let da = wait_deliveries(stack, &a, 1, Duration::from_secs(20)).await?;
     ensure!(listed_steps(&da[0].text) == vec![mine.id.to_string()]);
+    stack.wait_idle(&a).await?;
+    // A start repeated after its turn ended, A's lane idle (its first answer lost: the compose
+    // suite's partition stage saw an agent's retry refused `no_turn`) gets its step back; the same
+    // id from another session is refused as registered elsewhere (R8).
+    let again = |caller: Caller| StartStep {
+        caller,
+        name: mine.name.clone(),
+        scope: mine.scope,
+        work: StepKind::Command {
+            argv: vec!["true".into()],
+        },
+        id: mine.id.as_step(),
+    };
+    let back = stack
+        .start_step(&again(stack.caller(&a).await?))
+        .await
+        .map_err(|e| anyhow::anyhow!("a repeated start after its turn ended: {e}"))?;
+    ensure!(back.id == mine.id, "{back:?}");
+    let err = stack
+        .start_step(&again(stack.caller(&b).await?))
+        .await
+        .expect_err("another session's start of the same step");
+    ensure!(err.code == ErrorCode::ForeignExecution, "{err}");
     Ok(())
 }

@@ -96,6 +96,14 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
     }
 }
 
+/// The session a caller acts for: its own, or its parent step's.
+fn caller_session(identity: &Identity) -> &turnstile_shared::SessionId {
+    match identity {
+        Identity::Session(session) => &session.id,
+        Identity::Step(parent) => &parent.session,
+    }
+}
+
 fn no_turn(session: &turnstile_shared::SessionId) -> ApiError {
     ApiError::new(
         ErrorCode::NoTurn,
@@ -143,9 +151,11 @@ pub(super) async fn start(
 ) -> Result<ExecutionRecord, ApiError> {
     validate(&req)?;
     let identity = authenticate(&ctx, &principal, &req.caller, "start step").await?;
-    let placement = place(&ctx, identity, req.scope).await?;
     let step = req.id.clone().unwrap_or_default();
     let exec_id = ExecutionId::from(&step);
+    // A retry is recognised before the step is placed: the turn that started it may have
+    // ended since (its first attempt registered the step, its answer was lost), and a retry
+    // must get that step back, not `no_turn`.
     if let Some(existing) = registry::get(&ctx, &exec_id)
         .await
         .map_err(ApiError::from)?
@@ -154,7 +164,7 @@ pub(super) async fn start(
         // has taken it: the first attempt may have been cut off between its record and its
         // work item; the item's id makes a repeat within the duplicate window a no-op, and a
         // later one is refused at take); anything else is re-registration (R8).
-        if existing.session == placement.session.id && existing.name == req.name {
+        if &existing.session == caller_session(&identity) && existing.name == req.name.trim() {
             if existing.status == ExecStatus::Queued {
                 if let Some(work) = existing.work.clone() {
                     // Unless the first attempt stopped before its orphan check and the
@@ -174,6 +184,7 @@ pub(super) async fn start(
             format!("execution {exec_id} is already registered elsewhere"),
         ));
     }
+    let placement = place(&ctx, identity, req.scope).await?;
     let work = match &req.work {
         StepKind::Command { argv } => StepWork::Command {
             argv: argv.clone(),
