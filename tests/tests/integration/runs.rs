@@ -117,6 +117,96 @@ async fn unscoped_step(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
+/// R5: a run waits for the result of the step its turn started even when that result is
+/// stored well after the step's end is recorded. The compose suite's partition stage (a node
+/// cut off for 20 s) saw a run give up after 10 s with nothing fetched and complete without a
+/// step's result, which came later in a turn of its own. Here the completions' store refuses
+/// every write for 15 s from before the step ends (its end is recorded at once, its
+/// completion only when the store takes it again); the run still hands the result over in
+/// its own second round, and no delivery outside the run carries it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_waits_for_a_result_its_store_took_late() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = stored_late(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn stored_late(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::subjects;
+    use turnstile_shared::ExecutionId;
+    let s = stack.create_session("stored-late", None).await?;
+    let run = stack.start_run(&s, &["round\n!step g 3s ok"], None).await?;
+    let step = crate::stack::wait_until_tree(
+        stack,
+        &ExecutionId::from(&run.id),
+        Duration::from_secs(30),
+        |t| {
+            t.nodes
+                .iter()
+                .flat_map(|m| m.nodes.iter())
+                .flat_map(|t| t.nodes.iter())
+                .any(|n| n.record.name == "g")
+        },
+    )
+    .await?
+    .nodes
+    .iter()
+    .flat_map(|m| m.nodes.iter())
+    .flat_map(|t| t.nodes.iter())
+    .find(|n| n.record.name == "g")
+    .map(|n| n.record.id.clone())
+    .ok_or_else(|| anyhow::anyhow!("no step g in the run's tree"))?;
+    // The completions' store takes nothing a completion's size from now on.
+    let admin = stack.js_as("admin").await?;
+    let mut store = admin.get_stream(subjects::COMPLETION_STREAM).await?;
+    let config = store.info().await?.config.clone();
+    admin
+        .update_stream(async_nats::jetstream::stream::Config {
+            max_message_size: 64,
+            ..config.clone()
+        })
+        .await?;
+    let stack = &*stack;
+    turnstile_tests::wait_until("the step's end recorded", Duration::from_secs(30), || {
+        let step = step.clone();
+        async move {
+            Ok(stack
+                .exec(&step)
+                .await?
+                .filter(|r| r.status.is_terminal())
+                .map(|_| ()))
+        }
+    })
+    .await?;
+    // The fault lasts longer than the run's wait for completions once lasted (10 s).
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    admin.update_stream(config).await?;
+    let done = stack.wait_run(&run.id, Duration::from_secs(90)).await?;
+    ensure!(
+        matches!(done.state, RunState::Completed { .. }),
+        "run ended {:?}",
+        done.state
+    );
+    ensure!(done.rounds() == 2, "2 rounds: {:?}", done.progress);
+    let transcript = stack.transcript(&s).await?;
+    ensure!(
+        transcript.len() == 2 && transcript[1].contains("g [completed]"),
+        "the step's result, handed back in the run's second round: {transcript:?}"
+    );
+    let runs_own: Vec<_> = done.progress.iter().flat_map(|m| m.turns.iter()).collect();
+    let outside: Vec<_> = stack
+        .delivery_turns(&s)
+        .await?
+        .into_iter()
+        .filter(|t| !runs_own.contains(&&t.id))
+        .collect();
+    ensure!(
+        outside.is_empty(),
+        "no delivery outside the run: {outside:?}"
+    );
+    Ok(())
+}
+
 /// R5, R10, R12: the run's bounds end it `failed` with a named reason; step heartbeats count as
 /// progress, a step nobody works on does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -123,6 +123,9 @@ impl Driver<'_> {
         let mut held = Vec::new();
         let deadline = tokio::time::Instant::now() + COMPLETIONS_WAIT;
         let mut pauses = COMPLETIONS_POLL.delays();
+        // Progress acks a third of an ack wait apart, not at every look (every 20-500 ms).
+        let every = (self.ctx.topology.lane_ack_wait / 3).max(Duration::from_millis(100));
+        let mut progressed = tokio::time::Instant::now();
         loop {
             let (c, h) = collect(self.ctx, self.session).await?;
             merge(&mut carried, &mut held, c, h, stream_seq);
@@ -145,11 +148,12 @@ impl Driver<'_> {
             // What this wait holds already stays this run's while it waits for the rest (the
             // wait may outlast the completions' ack wait; a copy handed out again meanwhile,
             // when a progress ack was lost, is taken once: `merge`); so does the run's item.
-            if self.ctx.lease.held() {
+            if self.ctx.lease.held() && progressed.elapsed() >= every {
                 for h in &held {
                     let _ = h.ack_with(AckKind::Progress).await;
                 }
                 let _ = self.msg.ack_with(AckKind::Progress).await;
+                progressed = tokio::time::Instant::now();
             }
         }
     }
@@ -183,7 +187,6 @@ fn stream_seq(m: &jetstream::Message) -> Option<u64> {
     m.info().map(|i| i.stream_sequence).ok()
 }
 
-/// Every step under the node (not the node itself).
 /// The executions of a subtree whose completions come to `session` (its owner or a watcher).
 fn collect_ids(node: &TreeNode, session: &SessionId, out: &mut Vec<ExecutionId>) {
     for n in &node.nodes {
