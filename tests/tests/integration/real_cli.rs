@@ -183,7 +183,13 @@ pub async fn a_killed_cli_ends_its_turn_and_the_next_resumes(
 
 /// A stack (one lane replica, host `h1`) whose services run with `env` added.
 pub async fn stack_with(env: &[(String, String)]) -> Result<Stack> {
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    // The real CLIs are heavy to start (two at once on two cores stalled a test's transport
+    // agent past the stack's 3 s host TTL in `scripts/test.sh`): nothing here tests host
+    // loss, so hosts get the production TTL unless a test sets one.
+    let mut env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    if !env.iter().any(|(k, _)| *k == "TURNSTILE_HOST_TTL") {
+        env.push(("TURNSTILE_HOST_TTL", "15s"));
+    }
     Stack::start_with(&["a"], &["h1"], &env).await
 }
 
@@ -360,7 +366,9 @@ async fn a_timed_out_turns_late_answer_is_never_the_next_turns() -> Result<()> {
         &messages,
         &responses,
         dir.path(),
-        &[("TURNSTILE_TURN_TIMEOUT", "4s")],
+        // Long enough for a CLI started under load to answer the second turn (4 s was not, in
+        // `scripts/test.sh` beside another real-CLI test), short enough to wait out twice.
+        &[("TURNSTILE_TURN_TIMEOUT", "10s")],
     )
     .await?;
     let r = boundaries(&mut stack, &messages, &responses).await;
