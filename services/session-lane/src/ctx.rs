@@ -72,6 +72,8 @@ pub(crate) struct Ctx {
     pub fenced: CancellationToken,
     /// Whether this replica may act now: its last renewal is recent (`liveness::lease`).
     pub lease: crate::liveness::Lease,
+    /// Whether this replica is the first live one, the one that sweeps (`liveness::rank`).
+    pub rank: crate::liveness::Rank,
     pub turns: crate::turn_watch::TurnWatch,
     /// The process-wide shutdown, as distinct from one lane's cancellation.
     pub shutdown: CancellationToken,

@@ -176,6 +176,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Erro
         replica: config.replica.clone(),
         liveness: config.liveness,
         lease,
+        rank: liveness::Rank::default(),
         fenced,
         turns,
         shutdown: stop.clone(),

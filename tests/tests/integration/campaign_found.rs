@@ -1277,10 +1277,12 @@ async fn command_lost(stack: &mut Stack) -> Result<()> {
 /// R3: a completion with no delivery on its way on an idle lane (the campaign's state: the
 /// delivery that held it cut off, its re-arm lost) would wait for ever. The lane's sweep finds
 /// the session idle with a completion counted twice running and arms a delivery: the result
-/// is handed over, once.
+/// is handed over, once. Of two replicas only the first live one (by instance name: `a`'s)
+/// sweeps; the other says so and never looks.
 #[tokio::test]
 async fn a_completion_left_with_no_delivery_armed_is_still_handed_over_once() -> Result<()> {
-    let mut stack = Stack::start_with(&["a"], &["h1"], &[("TURNSTILE_SWEEP_EVERY", "1s")]).await?;
+    let mut stack =
+        Stack::start_with(&["a", "b"], &["h1"], &[("TURNSTILE_SWEEP_EVERY", "1s")]).await?;
     let r = unarmed(&mut stack).await;
     report(&stack, r)
 }
@@ -1347,6 +1349,17 @@ async fn unarmed(stack: &mut Stack) -> Result<()> {
         said.lines()
             .any(|l| l.contains(s.as_str()) && l.contains("one is armed")),
         "the lane did not say it armed a delivery"
+    );
+    ensure!(
+        said.contains("this replica sweeps the lanes"),
+        "a, the first live replica, did not say it sweeps"
+    );
+    let b_said = std::fs::read_to_string(stack.lanes.get("b").context("lane b")?.log_path())?;
+    ensure!(
+        b_said.contains("another replica sweeps the lanes")
+            && !b_said.contains("this replica sweeps the lanes")
+            && !b_said.contains("one is armed"),
+        "b swept although a is the first live replica"
     );
     Ok(())
 }

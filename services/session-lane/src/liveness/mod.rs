@@ -33,6 +33,7 @@
 
 mod lease;
 mod probe;
+mod rank;
 mod takeover;
 
 use std::collections::HashMap;
@@ -50,6 +51,7 @@ use crate::ctx::{Ctx, Timing};
 
 pub(crate) use lease::{Fenced, Lease};
 use probe::Probe;
+pub(crate) use rank::Rank;
 use takeover::Evidence;
 pub(crate) use takeover::{depart, forget_pin, lane_infos, record_pin};
 
@@ -173,6 +175,7 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
             }
             _ = renew.tick() => {
                 revision = renew_own(ctx, &key, &alive, revision).await?;
+                ctx.rank.set(&ctx.instance, peers.keys());
                 settled.check(&ctx.client);
                 sweep(ctx, &mut peers, own_seen, settled.fast(timing), timing);
             }
