@@ -863,15 +863,12 @@ async fn store_refused(stack: &mut Stack) -> Result<()> {
     })
     .await?;
     // The ended queue takes nothing an end's size for now.
-    let admin = stack.js_as("admin").await?;
-    let mut steps = admin.get_stream(subjects::STEP_STREAM).await?;
-    let config = steps.info().await?.config.clone();
-    admin
-        .update_stream(async_nats::jetstream::stream::Config {
-            max_message_size: 64,
-            ..config.clone()
-        })
+    let steps = stack
+        .js_as("admin")
+        .await?
+        .get_stream(subjects::STEP_STREAM)
         .await?;
+    let restore = stack.refuse_writes(subjects::STEP_STREAM).await?;
     let result = StepResult {
         exit_code: Some(0),
         summary: "done".into(),
@@ -883,7 +880,7 @@ async fn store_refused(stack: &mut Stack) -> Result<()> {
     .await
     .expect_err("the end could not be stored");
     ensure!(refused.code == ErrorCode::Unavailable, "{refused}");
-    admin.update_stream(config).await?;
+    stack.restore_stream(restore).await?;
     let ack = report_as_worker(Report::Completed { result }).await?;
     ensure!(ack.stop && ack.status == "completed", "{ack:?}");
     let delivered = crate::stack::wait_deliveries(stack, &s, 1, Duration::from_secs(20)).await?;

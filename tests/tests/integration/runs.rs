@@ -98,12 +98,7 @@ async fn unscoped_step(stack: &mut Stack) -> Result<()> {
         |t| t.settled,
     )
     .await?;
-    let step = tree
-        .nodes
-        .iter()
-        .flat_map(|m| m.nodes.iter())
-        .flat_map(|t| t.nodes.iter())
-        .find(|n| n.record.name == "g")
+    let step = run_step(&tree, "g")
         .map(|n| n.record.clone())
         .ok_or_else(|| anyhow::anyhow!("no step g in the run's tree"))?;
     ensure!(step.scope == Scope::Session, "{:?}", step.scope);
@@ -136,36 +131,18 @@ async fn stored_late(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::ExecutionId;
     let s = stack.create_session("stored-late", None).await?;
     let run = stack.start_run(&s, &["round\n!step g 3s ok"], None).await?;
-    let step = crate::stack::wait_until_tree(
+    let tree = crate::stack::wait_until_tree(
         stack,
         &ExecutionId::from(&run.id),
         Duration::from_secs(30),
-        |t| {
-            t.nodes
-                .iter()
-                .flat_map(|m| m.nodes.iter())
-                .flat_map(|t| t.nodes.iter())
-                .any(|n| n.record.name == "g")
-        },
+        |t| run_step(t, "g").is_some(),
     )
-    .await?
-    .nodes
-    .iter()
-    .flat_map(|m| m.nodes.iter())
-    .flat_map(|t| t.nodes.iter())
-    .find(|n| n.record.name == "g")
-    .map(|n| n.record.id.clone())
-    .ok_or_else(|| anyhow::anyhow!("no step g in the run's tree"))?;
+    .await?;
+    let step = run_step(&tree, "g")
+        .map(|n| n.record.id.clone())
+        .ok_or_else(|| anyhow::anyhow!("no step g in the run's tree"))?;
     // The completions' store takes nothing a completion's size from now on.
-    let admin = stack.js_as("admin").await?;
-    let mut store = admin.get_stream(subjects::COMPLETION_STREAM).await?;
-    let config = store.info().await?.config.clone();
-    admin
-        .update_stream(async_nats::jetstream::stream::Config {
-            max_message_size: 64,
-            ..config.clone()
-        })
-        .await?;
+    let restore = stack.refuse_writes(subjects::COMPLETION_STREAM).await?;
     let stack = &*stack;
     turnstile_tests::wait_until("the step's end recorded", Duration::from_secs(30), || {
         let step = step.clone();
@@ -180,7 +157,7 @@ async fn stored_late(stack: &mut Stack) -> Result<()> {
     .await?;
     // The fault lasts longer than the run's wait for completions once lasted (10 s).
     tokio::time::sleep(Duration::from_secs(15)).await;
-    admin.update_stream(config).await?;
+    stack.restore_stream(restore).await?;
     let done = stack.wait_run(&run.id, Duration::from_secs(90)).await?;
     ensure!(
         matches!(done.state, RunState::Completed { .. }),
@@ -505,4 +482,16 @@ async fn run_tree(stack: &mut Stack) -> Result<()> {
         "the second message took one turn"
     );
     Ok(())
+}
+
+/// The step named `name` that a turn of a run's message started (run, message, turn, step).
+fn run_step<'a>(
+    run: &'a turnstile_shared::step_api::TreeNode,
+    name: &str,
+) -> Option<&'a turnstile_shared::step_api::TreeNode> {
+    run.nodes
+        .iter()
+        .flat_map(|m| m.nodes.iter())
+        .flat_map(|t| t.nodes.iter())
+        .find(|n| n.record.name == name)
 }

@@ -1051,6 +1051,32 @@ impl Stack {
         api::call(&self.client, &subject, req, API).await
     }
 
+    /// Makes `stream` refuse every write of more than 64 bytes (as a store refusing writes
+    /// does); returns its configuration for [`Stack::restore_stream`].
+    pub async fn refuse_writes(
+        &self,
+        stream: &str,
+    ) -> Result<async_nats::jetstream::stream::Config> {
+        let admin = self.js_as("admin").await?;
+        let config = admin.get_stream(stream).await?.info().await?.config.clone();
+        admin
+            .update_stream(async_nats::jetstream::stream::Config {
+                max_message_size: 64,
+                ..config.clone()
+            })
+            .await?;
+        Ok(config)
+    }
+
+    /// Puts a stream's configuration back (after [`Stack::refuse_writes`]).
+    pub async fn restore_stream(
+        &self,
+        config: async_nats::jetstream::stream::Config,
+    ) -> Result<()> {
+        self.js_as("admin").await?.update_stream(config).await?;
+        Ok(())
+    }
+
     /// `turnstile cancel ID`, as the operator.
     pub async fn cancel(&self, id: &ExecutionId) -> Result<serde_json::Value, api::ApiError> {
         let subject = subj::exec(subj::OPERATOR, subj::CANCEL);
