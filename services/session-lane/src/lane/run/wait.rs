@@ -29,8 +29,10 @@ const COMPLETIONS_POLL: Backoff =
     Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
 
 /// How long a run waits for the completions routed to its session once the turn's subtree
-/// has ended: longer than a store briefly out of reach (a node cut off, a leader election).
-const COMPLETIONS_WAIT: Duration = Duration::from_secs(60);
+/// has ended: longer than a store briefly out of reach (a node cut off for 20 s, a leader
+/// election). Not longer: a run once waited the whole bound for a completion that never came
+/// (a turn-scoped step cancelled as its turn ended, in `lifecycle`'s run; cause not found yet).
+const COMPLETIONS_WAIT: Duration = Duration::from_secs(30);
 
 impl Driver<'_> {
     /// Waits until the turn's whole subtree is terminal (R5). Step events are progress (R10).
