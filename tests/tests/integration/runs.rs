@@ -184,6 +184,91 @@ async fn stored_late(stack: &mut Stack) -> Result<()> {
     Ok(())
 }
 
+/// R5, R9: a retried run continues where it failed, with the completions that are pending
+/// then. A result handed over meanwhile (the failed run gave it back and a delivery turn
+/// carried it) is not waited for: the retry ends at once, without a round for it. Once it
+/// waited its whole wait for completions (30 s) for a completion that would never come again
+/// (seen as a `lifecycle` run outliving its test's wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_run_does_not_wait_for_a_result_handed_over_meanwhile() -> Result<()> {
+    let mut stack = Stack::start(&["a"], &["h1"]).await?;
+    let r = retried_after_hand_over(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn retried_after_hand_over(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::runs::{RunLimits, RunRef};
+    use turnstile_shared::{api, subjects, ExecutionId};
+    let s = stack.create_session("retried-after", None).await?;
+    // One round allowed; the step's result needs a second: the run fails and gives it back.
+    let limits = RunLimits {
+        max_rounds: 1,
+        ..RunLimits::default()
+    };
+    let run = stack
+        .start_run_with(
+            &s,
+            &["!step late 300ms --scope run\n!sleep 100ms"],
+            None,
+            limits,
+        )
+        .await?;
+    let failed = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    ensure!(
+        matches!(failed.state, RunState::Failed { .. }),
+        "{:?}",
+        failed.state
+    );
+    let tree = stack.tree(&ExecutionId::from(&run.id)).await?;
+    let step = run_step(&tree, "late")
+        .map(|n| n.record.id.clone())
+        .ok_or_else(|| anyhow::anyhow!("no step late in the run's tree"))?;
+    // The result goes out in a delivery turn of the session's own.
+    let stack_ref = &*stack;
+    turnstile_tests::wait_until("the result handed over", Duration::from_secs(30), || {
+        let step = step.clone();
+        let s = s.clone();
+        async move {
+            Ok(stack_ref
+                .exec(&step)
+                .await?
+                .filter(|r| r.handed_to(&s).is_some())
+                .map(|_| ()))
+        }
+    })
+    .await?;
+    let _: serde_json::Value = api::call(
+        &stack.client,
+        subjects::api::RUNS_RETRY,
+        &RunRef {
+            run: run.id.clone(),
+        },
+        crate::stack::API,
+    )
+    .await?;
+    // Bounded below the run's 30 s wait for completions: a retry waiting for the result
+    // handed over already misses it.
+    let done = stack.wait_run(&run.id, Duration::from_secs(20)).await?;
+    ensure!(
+        matches!(done.state, RunState::Completed { .. }),
+        "run ended {:?}",
+        done.state
+    );
+    ensure!(
+        done.rounds() == 1,
+        "no round for a result handed over already: {:?}",
+        done.progress
+    );
+    let carried: Vec<_> = stack
+        .transcript(&s)
+        .await?
+        .into_iter()
+        .filter(|t| t.contains("late [completed]"))
+        .collect();
+    ensure!(carried.len() == 1, "the result typed once: {carried:?}");
+    Ok(())
+}
+
 /// R5, R10, R12: the run's bounds end it `failed` with a named reason; step heartbeats count as
 /// progress, a step nobody works on does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

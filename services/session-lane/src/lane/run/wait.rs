@@ -30,8 +30,8 @@ const COMPLETIONS_POLL: Backoff =
 
 /// How long a run waits for the completions routed to its session once the turn's subtree
 /// has ended: longer than a store briefly out of reach (a node cut off for 20 s, a leader
-/// election). Not longer: a run once waited the whole bound for a completion that never came
-/// (a turn-scoped step cancelled as its turn ended, in `lifecycle`'s run; cause not found yet).
+/// election). A run waits it whole only for a completion that does not come (see
+/// [`collect_ids`]).
 const COMPLETIONS_WAIT: Duration = Duration::from_secs(30);
 
 impl Driver<'_> {
@@ -134,8 +134,8 @@ impl Driver<'_> {
             for (comp, _) in &carried {
                 want.remove(&comp.execution);
             }
-            // Only executions routed here are expected; one whose completion never comes
-            // (handed over already) ends the wait at its bound.
+            // Only executions routed here and not handed over yet are expected; one whose
+            // completion never comes all the same ends the wait at its bound.
             if want.is_empty()
                 || tokio::time::Instant::now() >= deadline
                 || self.cancel.is_cancelled()
@@ -189,10 +189,13 @@ fn stream_seq(m: &jetstream::Message) -> Option<u64> {
     m.info().map(|i| i.stream_sequence).ok()
 }
 
-/// The executions of a subtree whose completions come to `session` (its owner or a watcher).
+/// The executions of a subtree whose completions come to `session` (its owner or a watcher)
+/// and are still to come: one handed to the session already is not (a retried run continues
+/// with the tree of its failed attempt, whose results a delivery turn may have carried since;
+/// waiting for one of them held the run for the whole [`COMPLETIONS_WAIT`]).
 fn collect_ids(node: &TreeNode, session: &SessionId, out: &mut Vec<ExecutionId>) {
     for n in &node.nodes {
-        if n.record.may_receive(session) {
+        if n.record.may_receive(session) && n.record.handed_to(session).is_none() {
             out.push(n.record.id.clone());
         }
         collect_ids(n, session, out);
