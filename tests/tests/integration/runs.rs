@@ -197,46 +197,11 @@ async fn a_retried_run_does_not_wait_for_a_result_handed_over_meanwhile() -> Res
 }
 
 async fn retried_after_hand_over(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::runs::{RunLimits, RunRef};
-    use turnstile_shared::{api, subjects, ExecutionId};
+    use turnstile_shared::runs::RunRef;
+    use turnstile_shared::{api, subjects};
     let s = stack.create_session("retried-after", None).await?;
-    // One round allowed; the step's result needs a second: the run fails and gives it back.
-    let limits = RunLimits {
-        max_rounds: 1,
-        ..RunLimits::default()
-    };
-    let run = stack
-        .start_run_with(
-            &s,
-            &["!step late 300ms --scope run\n!sleep 100ms"],
-            None,
-            limits,
-        )
-        .await?;
-    let failed = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
-    ensure!(
-        matches!(failed.state, RunState::Failed { .. }),
-        "{:?}",
-        failed.state
-    );
-    let tree = stack.tree(&ExecutionId::from(&run.id)).await?;
-    let step = run_step(&tree, "late")
-        .map(|n| n.record.id.clone())
-        .ok_or_else(|| anyhow::anyhow!("no step late in the run's tree"))?;
     // The result goes out in a delivery turn of the session's own.
-    let stack_ref = &*stack;
-    turnstile_tests::wait_until("the result handed over", Duration::from_secs(30), || {
-        let step = step.clone();
-        let s = s.clone();
-        async move {
-            Ok(stack_ref
-                .exec(&step)
-                .await?
-                .filter(|r| r.handed_to(&s).is_some())
-                .map(|_| ()))
-        }
-    })
-    .await?;
+    let run = failed_and_handed_over(stack, &s).await?;
     let _: serde_json::Value = api::call(
         &stack.client,
         subjects::api::RUNS_RETRY,
@@ -267,6 +232,94 @@ async fn retried_after_hand_over(stack: &mut Stack) -> Result<()> {
         .collect();
     ensure!(carried.len() == 1, "the result typed once: {carried:?}");
     Ok(())
+}
+
+/// R9, R14: a retry whose lane item the store did not take is still a retry: the caller is
+/// answered with the run queued again (attempt 1), not an error whose own retry would be
+/// refused `not_failed`, and the run runs once the store takes writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_whose_item_the_store_refused_answers_queued_and_runs() -> Result<()> {
+    let mut stack =
+        Stack::start_with(&["a"], &["h1"], &[("TURNSTILE_ORPHAN_RUN_AFTER", "1s")]).await?;
+    let r = retry_item_refused(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn retry_item_refused(stack: &mut Stack) -> Result<()> {
+    use turnstile_shared::runs::{RunRecord, RunRef};
+    use turnstile_shared::{api, subjects};
+    let s = stack.create_session("retry-refused", None).await?;
+    let run = failed_and_handed_over(stack, &s).await?;
+    let restore = stack.refuse_writes(subjects::LANE_STREAM).await?;
+    let answered: Result<RunRecord, api::ApiError> = api::call(
+        &stack.client,
+        subjects::api::RUNS_RETRY,
+        &RunRef {
+            run: run.id.clone(),
+        },
+        crate::stack::API,
+    )
+    .await;
+    stack.restore_stream(restore).await?;
+    let answered = answered.map_err(|e| anyhow::anyhow!("the retry was answered {e}"))?;
+    ensure!(
+        matches!(answered.state, RunState::Queued) && answered.attempt == 1,
+        "answered {:?}, attempt {}",
+        answered.state,
+        answered.attempt
+    );
+    let done = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    ensure!(
+        matches!(done.state, RunState::Completed { .. }) && done.attempt == 1,
+        "run ended {:?} (attempt {})",
+        done.state,
+        done.attempt
+    );
+    Ok(())
+}
+
+/// A run failed `max_rounds` (one round allowed; its step's result needs a second) whose result
+/// a delivery turn of the session's own carried afterwards.
+async fn failed_and_handed_over(
+    stack: &Stack,
+    s: &turnstile_shared::SessionId,
+) -> Result<turnstile_shared::runs::RunRecord> {
+    use turnstile_shared::runs::RunLimits;
+    use turnstile_shared::ExecutionId;
+    let limits = RunLimits {
+        max_rounds: 1,
+        ..RunLimits::default()
+    };
+    let run = stack
+        .start_run_with(
+            s,
+            &["!step late 300ms --scope run\n!sleep 100ms"],
+            None,
+            limits,
+        )
+        .await?;
+    let failed = stack.wait_run(&run.id, Duration::from_secs(60)).await?;
+    ensure!(
+        matches!(failed.state, RunState::Failed { .. }),
+        "{:?}",
+        failed.state
+    );
+    let tree = stack.tree(&ExecutionId::from(&run.id)).await?;
+    let step = run_step(&tree, "late")
+        .map(|n| n.record.id.clone())
+        .ok_or_else(|| anyhow::anyhow!("no step late in the run's tree"))?;
+    turnstile_tests::wait_until("the result handed over", Duration::from_secs(30), || {
+        let step = step.clone();
+        async move {
+            Ok(stack
+                .exec(&step)
+                .await?
+                .filter(|r| r.handed_to(s).is_some())
+                .map(|_| ()))
+        }
+    })
+    .await?;
+    Ok(failed)
 }
 
 /// R5, R10, R12: the run's bounds end it `failed` with a named reason; step heartbeats count as

@@ -176,7 +176,8 @@ pub(super) async fn cancel_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, 
 /// Retries a failed run (R9): it continues where it failed. The failed turn is dropped from its
 /// progress (a hand-over is redone with whatever completions are pending now; a failed
 /// message turn is typed again), finished children are never re-run, and its turns get fresh
-/// ids. The run's record keeps its history; `attempt` counts the retries.
+/// ids. The run's record keeps its history; `attempt` counts the retries. Answers the record
+/// queued again even when its lane item could not be published (the backstop publishes it).
 pub(super) async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, ApiError> {
     let current = ctx
         .buckets
@@ -239,9 +240,14 @@ pub(super) async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, A
         attempt: next.attempt,
     });
     let env = item.to_envelope(&session.id).map_err(ApiError::internal)?;
-    events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None)
-        .await
-        .map_err(ApiError::from)?;
+    // The run is queued again once its record says so: an item that could not be published
+    // (the store out of reach a moment) is published again by the orphan-run backstop, so
+    // the caller is told the truth, `queued`, and not an error whose retry is refused
+    // `not_failed`.
+    if let Err(e) = events::publish_durable(&ctx.js, subjects::lane(&session.id), &env, None).await
+    {
+        tracing::warn!(run = %next.id, attempt = next.attempt, error = %e, "retried run queued; its lane item was not published, the orphan-run backstop publishes it");
+    }
     let ev = session_event(
         EventKind::RunRetried,
         &session.id,
@@ -250,8 +256,8 @@ pub(super) async fn retry_run(ctx: Arc<Ctx>, req: RunRef) -> Result<RunRecord, A
     )
     .map_err(ApiError::internal)?
     .with_id(format!("{}:run.retried:{}", next.id, next.attempt));
-    events::publish(&ctx.js, &ev)
-        .await
-        .map_err(ApiError::from)?;
+    if let Err(e) = events::publish(&ctx.js, &ev).await {
+        tracing::warn!(run = %next.id, error = %e, "run.retried event");
+    }
     Ok(next)
 }
