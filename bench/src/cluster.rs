@@ -87,5 +87,38 @@ pub async fn start_placed(
         NatsServer::start_placed(Some(&configs[1]), next()),
         NatsServer::start_placed(Some(&configs[2]), next()),
     );
-    Ok(vec![a?, b?, c?])
+    let nodes = vec![a?, b?, c?];
+    placeable(&nodes[0].url()).await?;
+    Ok(nodes)
+}
+
+/// Waits (bounded) until the cluster places a stream on all three nodes: each node answers
+/// for JetStream before the meta leader has heard from every peer, and a replicated stream
+/// created then is refused "no suitable peers for placement" (one `failover --replicas 3`
+/// run in five failed so).
+async fn placeable(url: &str) -> Result<()> {
+    let js = async_nats::jetstream::new(async_nats::connect(url).await?);
+    let name = "TS_BENCH_PLACEABLE";
+    turnstile_tests::wait_until(
+        "the cluster places a stream on three nodes",
+        std::time::Duration::from_secs(30),
+        || {
+            let js = js.clone();
+            async move {
+                let config = async_nats::jetstream::stream::Config {
+                    name: name.to_string(),
+                    num_replicas: 3,
+                    ..Default::default()
+                };
+                match js.create_stream(config).await {
+                    Ok(_) => {
+                        js.delete_stream(name).await?;
+                        Ok(Some(()))
+                    }
+                    Err(_) => Ok(None),
+                }
+            }
+        },
+    )
+    .await
 }

@@ -142,8 +142,10 @@ pub fn survivor_account(log: &str, killed_at: chrono::DateTime<Utc>) -> serde_js
         "evidence": evidence,
         "lanes_moved": num("lanes="),
         "takeover_ms": num("elapsed_ms="),
-        // Of which reading the dead instance's pin records.
+        // Of which reading the dead instance's pin records, and the last page of the lane
+        // consumers' list come (lanes are taken as their page comes).
         "pins_read_ms": num("pinned_ms="),
+        "listed_ms": num("listed_ms="),
     })
 }
 

@@ -138,7 +138,9 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64, eviden
     };
     let pinned_ms = started.elapsed().as_millis() as u64;
     let mut listed = true;
+    let mut listed_ms = 0u64;
     let moved = lane_pages(&ctx.js)
+        .inspect(|_| listed_ms = started.elapsed().as_millis() as u64)
         .flat_map(|page: Result<Vec<Info>, ListError>| {
             let infos = page.unwrap_or_else(|e| {
                 tracing::error!(%instance, error = %e, "the dead replica's lanes not listed move after the pin TTL");
@@ -162,7 +164,7 @@ pub(crate) async fn claim(ctx: Arc<Ctx>, instance: String, revision: u64, eviden
         .await;
     purge(&ctx, &subjects::replica_pins(&instance)).await;
     purge(&ctx, &key).await;
-    tracing::info!(%instance, lanes = moved, pins = pins.len(), pinned_ms, listed, elapsed_ms = started.elapsed().as_millis() as u64, "took over a dead replica's lanes");
+    tracing::info!(%instance, lanes = moved, pins = pins.len(), pinned_ms, listed, listed_ms, elapsed_ms = started.elapsed().as_millis() as u64, "took over a dead replica's lanes");
     // A request of the dead replica's can be chosen, and pin its lane, until it expires.
     let last = ctx.topology.lane_pull_expiry() + SWEEP_MARGIN;
     for wait in [SWEEP_MARGIN, last] {
