@@ -273,15 +273,7 @@ async fn dead_terminal_under_a_run(
     ensure!(view.pending >= 1, "session show: {} pending", view.pending);
     // The terminal can come back: a retry continues the run and hands the result over.
     std::fs::remove_file(flag)?;
-    let _: turnstile_shared::runs::RunRecord = turnstile_shared::api::call(
-        &stack.client,
-        turnstile_shared::subjects::api::RUNS_RETRY,
-        &turnstile_shared::runs::RunRef {
-            run: run.id.clone(),
-        },
-        crate::stack::API,
-    )
-    .await?;
+    stack.retry_run(&run.id).await?;
     let done = stack
         .wait_run_state(&run.id, Duration::from_secs(60), |r| {
             matches!(r.state, RunState::Completed { .. })

@@ -22,7 +22,7 @@ async fn every_event_of_a_busy_stack_is_described_by_the_asyncapi_document() -> 
 
 async fn busy(stack: &mut Stack) -> Result<()> {
     use turnstile_shared::api;
-    use turnstile_shared::runs::{RunLimits, RunRef, RunState};
+    use turnstile_shared::runs::{RunLimits, RunState};
     use turnstile_shared::schedules::{PauseSchedule, ScheduleRef};
     use turnstile_shared::subjects::api as subj;
     use turnstile_shared::StepId;
@@ -58,15 +58,7 @@ async fn busy(stack: &mut Stack) -> Result<()> {
         "{:?}",
         ended.state
     );
-    let _: serde_json::Value = api::call(
-        &stack.client,
-        subj::RUNS_RETRY,
-        &RunRef {
-            run: failing.id.clone(),
-        },
-        crate::stack::API,
-    )
-    .await?;
+    stack.retry_run(&failing.id).await?;
     stack.wait_run(&failing.id, Duration::from_secs(60)).await?;
     // A schedule: fired, then paused, resumed, triggered and deleted.
     let name = "described-tick";

@@ -197,20 +197,10 @@ async fn a_retried_run_does_not_wait_for_a_result_handed_over_meanwhile() -> Res
 }
 
 async fn retried_after_hand_over(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::runs::RunRef;
-    use turnstile_shared::{api, subjects};
     let s = stack.create_session("retried-after", None).await?;
     // The result goes out in a delivery turn of the session's own.
     let run = failed_and_handed_over(stack, &s).await?;
-    let _: serde_json::Value = api::call(
-        &stack.client,
-        subjects::api::RUNS_RETRY,
-        &RunRef {
-            run: run.id.clone(),
-        },
-        crate::stack::API,
-    )
-    .await?;
+    stack.retry_run(&run.id).await?;
     // Bounded below the run's 30 s wait for completions: a retry waiting for the result
     // handed over already misses it.
     let done = stack.wait_run(&run.id, Duration::from_secs(20)).await?;
@@ -246,20 +236,11 @@ async fn a_retry_whose_item_the_store_refused_answers_queued_and_runs() -> Resul
 }
 
 async fn retry_item_refused(stack: &mut Stack) -> Result<()> {
-    use turnstile_shared::runs::{RunRecord, RunRef};
-    use turnstile_shared::{api, subjects};
+    use turnstile_shared::subjects;
     let s = stack.create_session("retry-refused", None).await?;
     let run = failed_and_handed_over(stack, &s).await?;
     let restore = stack.refuse_writes(subjects::LANE_STREAM).await?;
-    let answered: Result<RunRecord, api::ApiError> = api::call(
-        &stack.client,
-        subjects::api::RUNS_RETRY,
-        &RunRef {
-            run: run.id.clone(),
-        },
-        crate::stack::API,
-    )
-    .await;
+    let answered = stack.retry_run(&run.id).await;
     stack.restore_stream(restore).await?;
     let answered = answered.map_err(|e| anyhow::anyhow!("the retry was answered {e}"))?;
     ensure!(

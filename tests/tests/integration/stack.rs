@@ -1217,6 +1217,15 @@ impl Stack {
         Ok(api::call(&self.client, subj::RUNS_CANCEL, &req, API).await?)
     }
 
+    /// `turnstile run retry RUN`: the run's record as answered (queued again).
+    pub async fn retry_run(
+        &self,
+        run: &turnstile_shared::RunId,
+    ) -> Result<turnstile_shared::runs::RunRecord, api::ApiError> {
+        let req = turnstile_shared::runs::RunRef { run: run.clone() };
+        api::call(&self.client, subj::RUNS_RETRY, &req, API).await
+    }
+
     /// Waits (on the run's KV key) until it has ended.
     pub async fn wait_run(
         &self,
