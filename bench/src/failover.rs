@@ -115,11 +115,24 @@ pub fn survivor_account(log: &str, killed_at: chrono::DateTime<Utc>) -> serde_js
         .lines()
         .rev()
         .find(|l| l.contains("claimed a dead replica"));
-    let detected_ms = claimed.and_then(|l| {
+    let since_kill = |l: &str| {
         let at = l.split_whitespace().next()?;
         let at = chrono::DateTime::parse_from_rfc3339(at).ok()?;
         Some((at.with_timezone(&Utc) - killed_at).num_milliseconds())
-    });
+    };
+    let detected_ms = claimed.and_then(since_kill);
+    // The survivor's own renewals stalling shortly before or after the kill turn its fast
+    // path off for a while (the claim then waits for silence): when they did, from the kill;
+    // and when one of its renewals went unanswered within its lease or failed.
+    let near_claim = |needle: &str| -> Vec<i64> {
+        log.lines()
+            .filter(|l| l.contains(needle))
+            .filter_map(since_kill)
+            .filter(|ms| *ms >= -STALL_WINDOW_MS && detected_ms.is_none_or(|d| *ms <= d))
+            .collect()
+    };
+    let own_stalls_ms = near_claim("own renewals stalled");
+    let renewals_late_ms = near_claim("renew replica liveness");
     let evidence = claimed.and_then(|l| {
         let (_, rest) = l.split_once("evidence=")?;
         Some(if rest.starts_with("\"its connection is gone") {
@@ -146,8 +159,14 @@ pub fn survivor_account(log: &str, killed_at: chrono::DateTime<Utc>) -> serde_js
         // consumers' list come (lanes are taken as their page comes).
         "pins_read_ms": num("pinned_ms="),
         "listed_ms": num("listed_ms="),
+        "own_stalls_ms": own_stalls_ms,
+        "renewals_late_ms": renewals_late_ms,
     })
 }
+
+/// How long before the kill a stall of the survivor's own renewals still bears on its claim
+/// (its fast path stays off for the liveness timeout, 1.25 s, after one).
+const STALL_WINDOW_MS: i64 = 1_500;
 
 #[cfg(test)]
 mod tests {
@@ -159,13 +178,23 @@ mod tests {
             .map(|t| t.with_timezone(&Utc))
             .expect("a time");
         let log = "2026-12-05T05:59:59.000000Z  INFO turnstile_session_lane: session-lane running\n\
+            2026-12-05T05:59:57.000000Z  INFO turnstile_session_lane::liveness: own renewals stalled; peers judged by silence only for a while gap_ms=300 silence_only_ms=1250\n\
+            2026-12-05T05:59:59.500000Z  INFO turnstile_session_lane::liveness: own renewals stalled; peers judged by silence only for a while gap_ms=260 silence_only_ms=1250\n\
+            2026-12-05T06:00:00.100000Z  WARN turnstile_session_lane::liveness: renew replica liveness: no answer within the lease; renewing again\n\
             2026-12-05T06:00:00.412000Z  INFO turnstile_session_lane::liveness::takeover: claimed a dead replica instance=a-1 evidence=\"its connection is gone from the server\" silent_ms=405\n\
-            2026-12-05T06:00:00.700000Z  INFO turnstile_session_lane::liveness::takeover: took over a dead replica's lanes instance=a-1 lanes=1000 elapsed_ms=288\n";
+            2026-12-05T06:00:00.700000Z  INFO turnstile_session_lane::liveness::takeover: took over a dead replica's lanes instance=a-1 lanes=1000 pins=1000 pinned_ms=20 listed=true listed_ms=150 elapsed_ms=288\n\
+            2026-12-05T06:00:01.000000Z  INFO turnstile_session_lane::liveness: own renewals stalled; peers judged by silence only for a while gap_ms=210 silence_only_ms=1250\n";
         let a = survivor_account(log, killed_at);
         assert_eq!(a["detected_after_kill_ms"], 412);
         assert_eq!(a["evidence"], "gone from the server");
         assert_eq!(a["lanes_moved"], 1000);
         assert_eq!(a["takeover_ms"], 288);
+        assert_eq!(a["pins_read_ms"], 20);
+        assert_eq!(a["listed_ms"], 150);
+        // Only the stall that can bear on the claim: 0.5 s before the kill; not 3 s before,
+        // nor one after the claim.
+        assert_eq!(a["own_stalls_ms"], serde_json::json!([-500]));
+        assert_eq!(a["renewals_late_ms"], serde_json::json!([100]));
         let none = survivor_account("nothing\n", killed_at);
         assert!(none["detected_after_kill_ms"].is_null());
     }

@@ -222,18 +222,38 @@ pub async fn call<Req: Serialize, Resp: DeserializeOwned>(
 /// the bucket's subjects yet); a record this build cannot read or write is `internal`.
 impl From<crate::kv::KvError> for ApiError {
     fn from(e: crate::kv::KvError) -> Self {
-        match e {
+        ApiError::new(e.api_code(), e.to_string())
+    }
+}
+
+impl crate::kv::KvError {
+    /// The code a caller is answered with for this store error (see `From<KvError>`), for
+    /// errors that wrap one and keep their own context in the message.
+    pub fn api_code(&self) -> ErrorCode {
+        match self {
             crate::kv::KvError::Nats { .. } | crate::kv::KvError::Contended { .. } => {
-                ApiError::new(ErrorCode::Unavailable, e.to_string())
+                ErrorCode::Unavailable
             }
-            other => ApiError::internal(other),
+            crate::kv::KvError::Decode { .. } | crate::kv::KvError::Encode { .. } => {
+                ErrorCode::Internal
+            }
+        }
+    }
+}
+
+impl crate::events::PublishError {
+    /// The code a caller is answered with for this publish error (see `From<PublishError>`).
+    pub fn api_code(&self) -> ErrorCode {
+        match self {
+            crate::events::PublishError::Nats { source, .. } => failure_code(&**source),
+            crate::events::PublishError::Envelope(_) => ErrorCode::Internal,
         }
     }
 }
 
 /// The code of a failure met on the way to the server, by its kind
 /// (`js_codes::failure_kind`): `unavailable` when another try may succeed, else `internal`.
-fn failure_code(e: &(dyn std::error::Error + 'static)) -> ErrorCode {
+pub fn failure_code(e: &(dyn std::error::Error + 'static)) -> ErrorCode {
     match crate::js_codes::failure_kind(e) {
         crate::js_codes::FailureKind::Unavailable => ErrorCode::Unavailable,
         crate::js_codes::FailureKind::Internal => ErrorCode::Internal,
@@ -244,11 +264,7 @@ fn failure_code(e: &(dyn std::error::Error + 'static)) -> ErrorCode {
 /// envelope this build cannot write is `internal`. The message keeps the context.
 impl From<crate::events::PublishError> for ApiError {
     fn from(e: crate::events::PublishError) -> Self {
-        let code = match &e {
-            crate::events::PublishError::Nats { source, .. } => failure_code(&**source),
-            crate::events::PublishError::Envelope(_) => ErrorCode::Internal,
-        };
-        ApiError::new(code, e.to_string())
+        ApiError::new(e.api_code(), e.to_string())
     }
 }
 

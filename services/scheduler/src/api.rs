@@ -69,10 +69,14 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, shutdown: CancellationToken) -> Result<
     Ok(())
 }
 
+/// A fire's failure as the answer: a store or server failure by its kind (`unavailable` when
+/// another try may succeed), the run API's own answer as it came.
 fn tick(e: TickError) -> ApiError {
     match e {
         TickError::Api(e) => e,
-        other => ApiError::internal(other),
+        TickError::Kv(e) => e.into(),
+        TickError::Publish(e) => e.into(),
+        TickError::Envelope(e) => ApiError::internal(e),
     }
 }
 

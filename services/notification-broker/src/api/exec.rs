@@ -11,7 +11,7 @@ use turnstile_shared::step_api::{Cancelled, Ended, ExecRef, TreeNode};
 use turnstile_shared::ExecutionId;
 
 use crate::ctx::Ctx;
-use crate::owned::{self, StopError};
+use crate::owned;
 use crate::registry::{self, Reach};
 
 /// Whether `principal` may see and cancel `record`: an operator any execution, a session its
@@ -83,7 +83,7 @@ pub(super) async fn cancel(
                 );
                 registry::publish_end(&ctx, &ended)
                     .await
-                    .map_err(ApiError::internal)?;
+                    .map_err(ApiError::from)?;
                 cancelled.push(record.id.clone());
             }
         }
@@ -91,7 +91,7 @@ pub(super) async fn cancel(
             let walked =
                 registry::cancel_under(&ctx, &record, Reach::Owned, exec_reason::CANCELLED)
                     .await
-                    .map_err(ApiError::internal)?;
+                    .map_err(ApiError::from)?;
             cancelled = walked.cancelled;
             // The second look goes on after the answer (a run's end cancels turn after turn).
             if !walked.unrecorded.is_empty() {
@@ -126,10 +126,8 @@ pub(super) async fn cancel_session(
             "only the operator cancels a stopped session's work",
         ));
     }
-    match owned::cancel_stopped(&ctx, &req.session).await {
-        Ok(cancelled) => Ok(Cancelled { cancelled }),
-        Err(e @ StopError::Active(_)) => Err(ApiError::bad_request(e.to_string())),
-        Err(e @ StopError::Unknown(_)) => Err(ApiError::not_found(e.to_string())),
-        Err(e) => Err(ApiError::new(ErrorCode::Unavailable, e.to_string())),
-    }
+    owned::cancel_stopped(&ctx, &req.session)
+        .await
+        .map(|cancelled| Cancelled { cancelled })
+        .map_err(ApiError::from)
 }

@@ -4,6 +4,7 @@
 //! acts for (`ts.api.steps.<principal>.<verb>`). This file only wires endpoints to handlers;
 //! calls go down from here to the handler modules, never back.
 
+mod answers;
 mod exec;
 mod steps;
 

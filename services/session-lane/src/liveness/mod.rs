@@ -328,9 +328,15 @@ fn observe(
 ) -> bool {
     let now = Instant::now();
     if entry.key == own_key {
-        let stalled = now.duration_since(*own_seen) > timing.lease;
+        let gap = now.duration_since(*own_seen);
+        let stalled = gap > timing.lease;
         if stalled {
             // Our own renewals stalled (NATS or this process): nobody is judged on that gap.
+            tracing::info!(
+                gap_ms = gap.as_millis() as u64,
+                silence_only_ms = timing.timeout.as_millis() as u64,
+                "own renewals stalled; peers judged by silence only for a while"
+            );
             for p in peers.values_mut() {
                 p.seen = now;
             }

@@ -41,7 +41,7 @@ async fn place(ctx: &Ctx, identity: Identity, scope: Scope) -> Result<Placement,
         Identity::Session(session) => {
             let turn = registry::lane_occupant(ctx, &session.id)
                 .await
-                .map_err(ApiError::internal)?
+                .map_err(ApiError::from)?
                 .ok_or_else(|| no_turn(&session.id))?;
             let record = ctx
                 .buckets
@@ -171,7 +171,7 @@ pub(super) async fn start(
                     // parent has ended since (see below).
                     let orphaned = owned::cancel_if_abandoned(&ctx, &existing)
                         .await
-                        .map_err(ApiError::internal)?;
+                        .map_err(ApiError::from)?;
                     if !orphaned {
                         dispatch(&ctx, &existing, step.clone(), work).await?;
                     }
@@ -249,7 +249,7 @@ pub(super) async fn start(
     }
     if owned::cancel_if_abandoned(&ctx, &record)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)?
     {
         // Its parent ended, or its owner stopped, while it was registered: cancelled, its
         // work not handed out.
