@@ -374,6 +374,105 @@ async fn replica_liveness_survives_a_nats_restart() -> Result<()> {
     report(&stack, r)
 }
 
+/// A survivor that was itself slow a moment before the kill (here SIGSTOPped for half a
+/// second, its connection kept: its own renewals come back late through its watch, as under
+/// load) still takes the killed peer for dead on the server's word (its connection gone) in
+/// a few hundred milliseconds. Such a gap used to turn the fast path off for the whole silence
+/// timeout, and the claim came by silence after 1.25 s: in `turnstile-bench failover`, most
+/// slow detections were that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_survivor_slow_just_before_the_kill_still_detects_it_from_the_server() -> Result<()> {
+    let mut stack = Stack::start_with(&["a"], &["h1"], &[]).await?;
+    let r = slow_survivor(&mut stack).await;
+    report(&stack, r)
+}
+
+async fn slow_survivor(stack: &mut Stack) -> Result<()> {
+    use futures::StreamExt;
+    stack.spawn_lane("b")?;
+    // Both replicas watching each other, `b` for longer than the silence timeout (its own
+    // start counts as a reconnect: peers may only be slow to come back).
+    let replicas = stack
+        .js
+        .get_key_value(turnstile_shared::subjects::REPLICAS_BUCKET)
+        .await?;
+    wait_until(
+        "b renewing for 3 s beside a",
+        Duration::from_secs(30),
+        || {
+            let replicas = replicas.clone();
+            async move {
+                let mut keys = replicas.keys().await?;
+                let (mut a, mut b_since) = (false, None);
+                while let Some(key) = keys.next().await {
+                    let key = key?;
+                    let Some(v) = replicas.get(&key).await? else {
+                        continue;
+                    };
+                    let v: serde_json::Value = serde_json::from_slice(&v)?;
+                    match v["replica"].as_str() {
+                        Some("a") => a = true,
+                        Some("b") => b_since = v["since"].as_str().map(str::to_string),
+                        _ => {}
+                    }
+                }
+                let settled = b_since
+                    .and_then(|s| chrono::DateTime::parse_from_rfc3339(&s).ok())
+                    .is_some_and(|t| {
+                        chrono::Utc::now() - t.with_timezone(&chrono::Utc)
+                            > chrono::Duration::seconds(3)
+                    });
+                Ok((a && settled).then_some(()))
+            }
+        },
+    )
+    .await?;
+    let b = stack.lanes.get("b").context("replica b")?;
+    let b_pid = stack.freeze_lane("b")?;
+    // The fault itself: half a second stopped, past its 200 ms lease, short of the 1.25 s a
+    // peer waits before it takes a silent replica for dead.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let resumed_at = std::fs::metadata(b.log_path())?.len();
+    crate::stack::signal(b_pid, rustix::process::Signal::CONT)?;
+    stack
+        .lanes
+        .get_mut("a")
+        .context("replica a")?
+        .kill()
+        .await?;
+    let b = stack.lanes.get("b").context("replica b")?;
+    let claim = wait_until("b claims a", Duration::from_secs(15), || async {
+        let log = std::fs::read_to_string(b.log_path())?;
+        Ok(log
+            .get(usize::try_from(resumed_at)?..)
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.contains("claimed a dead replica"))
+            .map(str::to_string))
+    })
+    .await?;
+    let log = std::fs::read_to_string(b.log_path())?;
+    let since_resume = log.get(usize::try_from(resumed_at)?..).unwrap_or_default();
+    ensure!(
+        since_resume.contains("own renewals stalled"),
+        "b's own renewals did not stall: the case is not made\n{since_resume}"
+    );
+    ensure!(
+        claim.contains("its connection is gone from the server"),
+        "b claimed a by silence, not on the server's word: {claim}"
+    );
+    let silent_ms: u64 = claim
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("silent_ms="))
+        .context("silent_ms in the claim")?
+        .parse()?;
+    ensure!(
+        silent_ms < 1_000,
+        "b claimed a only after {silent_ms} ms of silence (the fast path was off): {claim}"
+    );
+    Ok(())
+}
+
 /// The replica that served the session's last started turn.
 async fn server_of(stack: &Stack, s: &turnstile_shared::SessionId) -> Result<String> {
     stack

@@ -29,7 +29,14 @@
 //! those, every peer gets a fresh timeout. And the fast path is for a replica that has itself
 //! been connected, watching, for [`Timing::timeout`]: after its own reconnect (a restarted
 //! server drops every replica at once, and they come back at their own pace) a peer not back
-//! yet is judged by silence only.
+//! yet is judged by silence only. A reconnect is read off the client's count of connections,
+//! so one that happens between two checks is not missed. A gap in its own renewals alone
+//! (this replica or its server slow under load, a stream leader moving) does not turn the fast
+//! path off: a peer whose connection stayed open answers its pings or leaves them unanswered,
+//! and only the server's *no responders*, for a connection gone, counts towards the fast path;
+//! such a peer is still judged only [`Timing::gone_after`] after the fresh start the gap gave
+//! it. (Turning it off there cost a loaded replica up to a second of detection: in
+//! `turnstile-bench failover` most claims came by silence after such a gap.)
 
 mod lease;
 mod probe;
@@ -129,7 +136,7 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
     let mut peers: HashMap<String, Peer> = HashMap::new();
     let mut own_seen = Instant::now();
     // Since when this replica has been connected and watching without a break.
-    let mut settled = Settled::new();
+    let mut settled = Settled::new(connects(&ctx.client));
     let mut renew = tokio::time::interval(timing.interval);
     renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut ping = tokio::time::interval(timing.probe);
@@ -159,11 +166,7 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
                     None => std::future::pending().await,
                 }
             } => match entry {
-                Some(Ok(entry)) => {
-                    if observe(&key, entry, &mut peers, &mut own_seen, timing) {
-                        settled.broken();
-                    }
-                }
+                Some(Ok(entry)) => observe(&key, entry, &mut peers, &mut own_seen, timing),
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, "replica liveness watch; re-watching");
                     watch = None;
@@ -176,12 +179,12 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
             _ = renew.tick() => {
                 revision = renew_own(ctx, &key, &alive, revision).await?;
                 ctx.rank.set(&ctx.instance, peers.keys());
-                settled.check(&ctx.client);
+                settled.check(connected(&ctx.client), connects(&ctx.client));
                 sweep(ctx, &mut peers, own_seen, settled.fast(timing), timing);
             }
             _ = ping.tick() => {
                 ping_peers(ctx, &peers, &probed_tx);
-                settled.check(&ctx.client);
+                settled.check(connected(&ctx.client), connects(&ctx.client));
                 sweep(ctx, &mut peers, own_seen, settled.fast(timing), timing);
             }
         }
@@ -190,28 +193,49 @@ async fn serve(ctx: &Arc<Ctx>, stop: &CancellationToken) -> Result<(), Fenced> {
 
 /// Since when this replica has been connected and watching its peers without a break: the
 /// fast path is trusted only after [`Timing::timeout`] of that.
-struct Settled(Instant);
+struct Settled {
+    since: Instant,
+    /// The client's count of connections made when last checked.
+    connects: u64,
+}
 
 impl Settled {
-    fn new() -> Self {
-        Self(Instant::now())
+    fn new(connects: u64) -> Self {
+        Self {
+            since: Instant::now(),
+            connects,
+        }
     }
 
-    /// The connection or the watch was just (re)made, or our own renewals stalled.
+    /// The watch was just (re)made, or the connection is being (or was) made again.
     fn broken(&mut self) {
-        self.0 = Instant::now();
+        self.since = Instant::now();
     }
 
-    fn check(&mut self, client: &async_nats::Client) {
-        if client.connection_state() != async_nats::connection::State::Connected {
+    /// One look at the connection: down now, or made again since the last look.
+    fn check(&mut self, connected: bool, connects: u64) {
+        if !connected || connects != self.connects {
+            self.connects = connects;
             self.broken();
         }
     }
 
     /// Whether a peer gone from the server may be judged on that now.
     fn fast(&self, timing: Timing) -> bool {
-        self.0.elapsed() > timing.timeout
+        self.since.elapsed() > timing.timeout
     }
+}
+
+fn connected(client: &async_nats::Client) -> bool {
+    client.connection_state() == async_nats::connection::State::Connected
+}
+
+/// How many times the client has connected (the first time included).
+fn connects(client: &async_nats::Client) -> u64 {
+    client
+        .statistics()
+        .connects
+        .load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One renewal by compare-and-set: the new revision, or `Err(Fenced)` when the key was taken.
@@ -317,15 +341,15 @@ fn probed_peer(peers: &mut HashMap<String, Peer>, instance: &str, found: Probe) 
     }
 }
 
-/// One watch entry: a peer's renewal or departure, or our own renewal coming back; `true`
-/// when that was our own after a stall.
+/// One watch entry: a peer's renewal or departure, or our own renewal coming back (after a
+/// stall of those, every peer starts afresh).
 fn observe(
     own_key: &str,
     entry: Entry,
     peers: &mut HashMap<String, Peer>,
     own_seen: &mut Instant,
     timing: Timing,
-) -> bool {
+) {
     let now = Instant::now();
     if entry.key == own_key {
         let gap = now.duration_since(*own_seen);
@@ -335,17 +359,17 @@ fn observe(
             tracing::info!(
                 gap_ms = gap.as_millis() as u64,
                 silence_only_ms = timing.timeout.as_millis() as u64,
-                "own renewals stalled; peers judged by silence only for a while"
+                "own renewals stalled; every peer's silence counts from now"
             );
             for p in peers.values_mut() {
                 p.seen = now;
             }
         }
         *own_seen = now;
-        return stalled;
+        return;
     }
     let Some(instance) = entry.key.strip_prefix("live.") else {
-        return false;
+        return;
     };
     match entry.operation {
         Operation::Put => {
@@ -362,7 +386,6 @@ fn observe(
             peers.remove(instance);
         }
     }
-    false
 }
 
 /// Claims each dead peer (see the module's two paths) and takes its lanes over (spawned:
@@ -465,6 +488,31 @@ mod tests {
             judge(&p, now, false, t),
             Some(Evidence::Silent { .. })
         ));
+    }
+
+    #[test]
+    fn a_reconnect_between_two_looks_turns_the_fast_path_off_and_a_steady_connection_keeps_it() {
+        let t = Timing::default();
+        let long_ago = Instant::now()
+            .checked_sub(t.timeout * 2)
+            .expect("the clock is past that");
+        let mut s = Settled {
+            since: long_ago,
+            connects: 1,
+        };
+        s.check(true, 1);
+        assert!(s.fast(t), "connected throughout");
+        s.check(true, 2);
+        assert!(
+            !s.fast(t),
+            "connected again between two looks: peers may not be back yet"
+        );
+        let mut s = Settled {
+            since: long_ago,
+            connects: 1,
+        };
+        s.check(false, 1);
+        assert!(!s.fast(t), "reconnecting now");
     }
 
     #[test]
