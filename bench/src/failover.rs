@@ -178,12 +178,12 @@ mod tests {
             .map(|t| t.with_timezone(&Utc))
             .expect("a time");
         let log = "2026-12-05T05:59:59.000000Z  INFO turnstile_session_lane: session-lane running\n\
-            2026-12-05T05:59:57.000000Z  INFO turnstile_session_lane::liveness: own renewals stalled; peers judged by silence only for a while gap_ms=300 silence_only_ms=1250\n\
-            2026-12-05T05:59:59.500000Z  INFO turnstile_session_lane::liveness: own renewals stalled; peers judged by silence only for a while gap_ms=260 silence_only_ms=1250\n\
+            2026-12-05T05:59:57.000000Z  INFO turnstile_session_lane::liveness: own renewals stalled; every peer's silence counts from now gap_ms=300\n\
+            2026-12-05T05:59:59.500000Z  INFO turnstile_session_lane::liveness: own renewals stalled; every peer's silence counts from now gap_ms=260\n\
             2026-12-05T06:00:00.100000Z  WARN turnstile_session_lane::liveness: renew replica liveness: no answer within the lease; renewing again\n\
             2026-12-05T06:00:00.412000Z  INFO turnstile_session_lane::liveness::takeover: claimed a dead replica instance=a-1 evidence=\"its connection is gone from the server\" silent_ms=405\n\
             2026-12-05T06:00:00.700000Z  INFO turnstile_session_lane::liveness::takeover: took over a dead replica's lanes instance=a-1 lanes=1000 pins=1000 pinned_ms=20 listed=true listed_ms=150 elapsed_ms=288\n\
-            2026-12-05T06:00:01.000000Z  INFO turnstile_session_lane::liveness: own renewals stalled; peers judged by silence only for a while gap_ms=210 silence_only_ms=1250\n";
+            2026-12-05T06:00:01.000000Z  INFO turnstile_session_lane::liveness: own renewals stalled; every peer's silence counts from now gap_ms=210\n";
         let a = survivor_account(log, killed_at);
         assert_eq!(a["detected_after_kill_ms"], 412);
         assert_eq!(a["evidence"], "gone from the server");
