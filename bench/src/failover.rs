@@ -121,9 +121,10 @@ pub fn survivor_account(log: &str, killed_at: chrono::DateTime<Utc>) -> serde_js
         Some((at.with_timezone(&Utc) - killed_at).num_milliseconds())
     };
     let detected_ms = claimed.and_then(since_kill);
-    // The survivor's own renewals stalling shortly before or after the kill turn its fast
-    // path off for a while (the claim then waits for silence): when they did, from the kill;
-    // and when one of its renewals went unanswered within its lease or failed.
+    // When, from the kill, the survivor's own renewals came back late (every peer's silence
+    // then counts afresh: a claim comes at least 250 ms after the gap), and when one of its
+    // renewals went unanswered within its lease or failed. Before 3ee95b6 such a gap also
+    // turned its fast path off for the 1.25 s silence timeout.
     let near_claim = |needle: &str| -> Vec<i64> {
         log.lines()
             .filter(|l| l.contains(needle))
@@ -164,8 +165,8 @@ pub fn survivor_account(log: &str, killed_at: chrono::DateTime<Utc>) -> serde_js
     })
 }
 
-/// How long before the kill a stall of the survivor's own renewals still bears on its claim
-/// (its fast path stays off for the liveness timeout, 1.25 s, after one).
+/// How long before the kill a stall of the survivor's own renewals is reported (one that
+/// old could delay the claim by the 1.25 s silence timeout on builds before 3ee95b6).
 const STALL_WINDOW_MS: i64 = 1_500;
 
 #[cfg(test)]

@@ -261,12 +261,7 @@ async fn lost_start(stack: &mut Stack) -> Result<()> {
     )
     .await?;
     // It dies frozen; another replica serves the session from now on.
-    stack
-        .lanes
-        .get_mut("a")
-        .context("replica a")?
-        .kill()
-        .await?;
+    stack.kill_lane("a").await?;
     stack.spawn_lane("b")?;
     let done = stack.wait_run(&lost, Duration::from_secs(60)).await?;
     ensure!(
@@ -831,7 +826,7 @@ async fn claimed_by_a_later_delivery(stack: &mut Stack) -> Result<()> {
         "the build step's completion was typed {} times: {typed:?}",
         typed.len()
     );
-    let said = std::fs::read_to_string(stack.lanes.get("a").context("replica a")?.log_path())?;
+    let said = stack.lane_log("a")?;
     ensure!(
         said.contains("this driver stops"),
         "the first driver did not say it stopped"
@@ -916,7 +911,7 @@ async fn item_lost(stack: &mut Stack) -> Result<()> {
         let n = typed.iter().filter(|m| m.as_str() == text).count();
         ensure!(n == 1, "{text:?} was typed {n} times");
     }
-    let said = std::fs::read_to_string(stack.lanes.get("a").context("replica a")?.log_path())?;
+    let said = stack.lane_log("a")?;
     let again: Vec<&str> = said
         .lines()
         .filter(|l| l.contains("published again"))
@@ -1344,7 +1339,7 @@ async fn unarmed(stack: &mut Stack) -> Result<()> {
         .filter(|m| m.contains("- lonely ["))
         .count();
     ensure!(handed == 1, "the result was handed over {handed} times");
-    let said = std::fs::read_to_string(stack.lanes.get("a").context("lane a")?.log_path())?;
+    let said = stack.lane_log("a")?;
     ensure!(
         said.lines()
             .any(|l| l.contains(s.as_str()) && l.contains("one is armed")),
@@ -1354,7 +1349,7 @@ async fn unarmed(stack: &mut Stack) -> Result<()> {
         said.contains("this replica sweeps the lanes"),
         "a, the first live replica, did not say it sweeps"
     );
-    let b_said = std::fs::read_to_string(stack.lanes.get("b").context("lane b")?.log_path())?;
+    let b_said = stack.lane_log("b")?;
     ensure!(
         b_said.contains("another replica sweeps the lanes")
             && !b_said.contains("this replica sweeps the lanes")

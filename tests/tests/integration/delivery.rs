@@ -237,7 +237,7 @@ async fn broker_and_lane_killed(stack: &mut Stack) -> Result<()> {
         pending > 0,
         "the frozen lane had not acked the carried completion yet"
     );
-    stack.lanes.get_mut("a").context("a")?.kill().await?;
+    stack.kill_lane("a").await?;
     stack.brokers.get_mut("b2").context("b2")?.kill().await?;
     stack.spawn_broker("b3")?;
     stack.spawn_lane("a2")?;
@@ -690,7 +690,7 @@ async fn extra_ahead(stack: &mut Stack) -> Result<()> {
         "{}",
         deliveries[0].text
     );
-    let log = std::fs::read_to_string(stack.lanes.get("a").context("replica a")?.log_path())?;
+    let log = stack.lane_log("a")?;
     ensure!(
         !log.contains("did not arrive"),
         "the extra delivery waited for a completion handed over already"
@@ -1124,12 +1124,7 @@ async fn superseded(stack: &mut Stack) -> Result<()> {
         },
     )
     .await?;
-    stack
-        .lanes
-        .get_mut("a")
-        .context("replica a")?
-        .kill()
-        .await?;
+    stack.kill_lane("a").await?;
     let turn = delivery.turn();
     let failed = stack.wait_turn(&turn, Duration::from_secs(30)).await?;
     match &failed.state {

@@ -21,12 +21,7 @@ async fn lane_killed(stack: &mut Stack) -> Result<()> {
     let texts = ["first, slow\n!sleep 3s", "second", "third"];
     let turns = stack.send_all(&s, &texts).await?;
     stack.wait_running(&turns[0]).await?;
-    stack
-        .lanes
-        .get_mut("a")
-        .context("replica a")?
-        .kill()
-        .await?;
+    stack.kill_lane("a").await?;
     stack.spawn_lane("a2")?;
     stack.all_complete(&turns).await?;
     stack.typed_exactly_once(&s, &texts).await?;
@@ -84,12 +79,7 @@ async fn failover(stack: &mut Stack) -> Result<()> {
     );
     let serving = servers[0].clone();
     let other = if serving == "a" { "b" } else { "a" };
-    stack
-        .lanes
-        .get_mut(&serving)
-        .context("serving replica")?
-        .kill()
-        .await?;
+    stack.kill_lane(&serving).await?;
     stack.all_complete(&turns).await?;
     let events = stack.events().await?;
     let order = serial_turns(&events, &s)?;
@@ -241,12 +231,7 @@ async fn a_lane_stranded_on_a_pin_nobody_holds_is_freed_by_the_take_over() -> Re
     let r = async {
         let s = stack.create_session("stranded", None).await?;
         turnstile_tests::wait_lanes_pulled(&stack.js, &[&s], 1, Duration::from_secs(20)).await?;
-        stack
-            .lanes
-            .get_mut("a")
-            .context("replica a")?
-            .kill()
-            .await?;
+        stack.kill_lane("a").await?;
         // The dead replica's waiting pull goes once the server has seen its connection
         // close; until then it could take the stranger's message.
         turnstile_tests::wait_until(
@@ -390,69 +375,55 @@ async fn a_survivor_slow_just_before_the_kill_still_detects_it_from_the_server()
 async fn slow_survivor(stack: &mut Stack) -> Result<()> {
     use futures::StreamExt;
     stack.spawn_lane("b")?;
-    // Both replicas watching each other, `b` for longer than the silence timeout (its own
-    // start counts as a reconnect: peers may only be slow to come back).
+    // `b` watching `a` for longer than the silence timeout (its own start counts as a
+    // reconnect: peers may only be slow to come back), as its live key's `since` says.
     let replicas = stack
         .js
         .get_key_value(turnstile_shared::subjects::REPLICAS_BUCKET)
         .await?;
-    wait_until(
-        "b renewing for 3 s beside a",
-        Duration::from_secs(30),
-        || {
-            let replicas = replicas.clone();
-            async move {
-                let mut keys = replicas.keys().await?;
-                let (mut a, mut b_since) = (false, None);
-                while let Some(key) = keys.next().await {
-                    let key = key?;
-                    let Some(v) = replicas.get(&key).await? else {
-                        continue;
-                    };
-                    let v: serde_json::Value = serde_json::from_slice(&v)?;
-                    match v["replica"].as_str() {
-                        Some("a") => a = true,
-                        Some("b") => b_since = v["since"].as_str().map(str::to_string),
-                        _ => {}
-                    }
+    wait_until("b renewing for 3 s", Duration::from_secs(30), || {
+        let replicas = replicas.clone();
+        async move {
+            let mut keys = replicas.keys().await?;
+            while let Some(key) = keys.next().await {
+                let Some(v) = replicas.get(&key?).await? else {
+                    continue;
+                };
+                let v: serde_json::Value = serde_json::from_slice(&v)?;
+                let since = v["since"]
+                    .as_str()
+                    .and_then(|s| chrono::DateTime::parse_from_rfc3339(s).ok());
+                if let (Some("b"), Some(since)) = (v["replica"].as_str(), since) {
+                    let up = chrono::Utc::now() - since.with_timezone(&chrono::Utc);
+                    return Ok((up > chrono::Duration::seconds(3)).then_some(()));
                 }
-                let settled = b_since
-                    .and_then(|s| chrono::DateTime::parse_from_rfc3339(&s).ok())
-                    .is_some_and(|t| {
-                        chrono::Utc::now() - t.with_timezone(&chrono::Utc)
-                            > chrono::Duration::seconds(3)
-                    });
-                Ok((a && settled).then_some(()))
             }
-        },
-    )
+            Ok(None)
+        }
+    })
     .await?;
-    let b = stack.lanes.get("b").context("replica b")?;
     let b_pid = stack.freeze_lane("b")?;
     // The fault itself: half a second stopped, past its 200 ms lease, short of the 1.25 s a
     // peer waits before it takes a silent replica for dead.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let resumed_at = std::fs::metadata(b.log_path())?.len();
+    let resumed_at = stack.lane_log("b")?.len();
     crate::stack::signal(b_pid, rustix::process::Signal::CONT)?;
-    stack
-        .lanes
-        .get_mut("a")
-        .context("replica a")?
-        .kill()
-        .await?;
-    let b = stack.lanes.get("b").context("replica b")?;
-    let claim = wait_until("b claims a", Duration::from_secs(15), || async {
-        let log = std::fs::read_to_string(b.log_path())?;
-        Ok(log
-            .get(usize::try_from(resumed_at)?..)
+    stack.kill_lane("a").await?;
+    let since_resume = || -> Result<String> {
+        Ok(stack
+            .lane_log("b")?
+            .get(resumed_at..)
             .unwrap_or_default()
+            .to_string())
+    };
+    let claim = wait_until("b claims a", Duration::from_secs(15), || async {
+        Ok(since_resume()?
             .lines()
             .find(|l| l.contains("claimed a dead replica"))
             .map(str::to_string))
     })
     .await?;
-    let log = std::fs::read_to_string(b.log_path())?;
-    let since_resume = log.get(usize::try_from(resumed_at)?..).unwrap_or_default();
+    let since_resume = since_resume()?;
     ensure!(
         since_resume.contains("own renewals stalled"),
         "b's own renewals did not stall: the case is not made\n{since_resume}"
@@ -504,12 +475,7 @@ async fn killed_fast(stack: &mut Stack) -> Result<()> {
         server_of(stack, &busy).await? == "a",
         "a serves the busy session"
     );
-    stack
-        .lanes
-        .get_mut("a")
-        .context("replica a")?
-        .kill()
-        .await?;
+    stack.kill_lane("a").await?;
     // A request sent as the replica dies may have gone to it: retried with the same turn id,
     // as a client of a dying replica would.
     let after = turnstile_shared::TurnId::new();

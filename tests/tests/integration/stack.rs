@@ -704,6 +704,24 @@ impl Stack {
         Ok(())
     }
 
+    /// SIGKILLs a session-lane replica and reaps it.
+    pub async fn kill_lane(&mut self, replica: &str) -> Result<()> {
+        self.lanes
+            .get_mut(replica)
+            .with_context(|| format!("replica {replica}"))?
+            .kill()
+            .await
+    }
+
+    /// Everything a session-lane replica has logged so far.
+    pub fn lane_log(&self, replica: &str) -> Result<String> {
+        let p = self
+            .lanes
+            .get(replica)
+            .with_context(|| format!("replica {replica}"))?;
+        Ok(std::fs::read_to_string(p.log_path())?)
+    }
+
     /// Freezes (SIGSTOP) a session-lane replica where it stands: it keeps its connection and
     /// whatever it was handed, and acts on nothing. Returns its pid, to kill or resume it.
     pub fn freeze_lane(&self, replica: &str) -> Result<u32> {

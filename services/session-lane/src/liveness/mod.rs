@@ -353,8 +353,7 @@ fn observe(
     let now = Instant::now();
     if entry.key == own_key {
         let gap = now.duration_since(*own_seen);
-        let stalled = gap > timing.lease;
-        if stalled {
+        if gap > timing.lease {
             // Our own renewals stalled (NATS or this process): nobody is judged on that gap.
             tracing::info!(
                 gap_ms = gap.as_millis() as u64,
